@@ -1,0 +1,88 @@
+from splitspec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetDraftInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftInfo(_message.Message):
+    __slots__ = ("kind", "model_name", "vocab_size", "tokenizer_sha256", "needs_hidden_states", "target_hidden_size", "aux_layer_inputs", "target_num_layers", "max_context")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    AUX_LAYER_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    model_name: str
+    vocab_size: int
+    tokenizer_sha256: str
+    needs_hidden_states: bool
+    target_hidden_size: int
+    aux_layer_inputs: _containers.RepeatedScalarFieldContainer[int]
+    target_num_layers: int
+    max_context: int
+    def __init__(self, kind: _Optional[str] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_sha256: _Optional[str] = ..., needs_hidden_states: _Optional[bool] = ..., target_hidden_size: _Optional[int] = ..., aux_layer_inputs: _Optional[_Iterable[int]] = ..., target_num_layers: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+
+class SeqDraftInput(_message.Message):
+    __slots__ = ("seq_id", "start", "new_tokens", "hidden_states", "hidden_dim", "dtype", "shape")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    start: int
+    new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    hidden_states: bytes
+    hidden_dim: int
+    dtype: str
+    shape: _common_pb2.DraftShape
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ..., hidden_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Union[_common_pb2.DraftShape, _Mapping]] = ...) -> None: ...
+
+class DraftRequest(_message.Message):
+    __slots__ = ("step", "seqs", "release_ids", "traceparent")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SEQS_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    seqs: _containers.RepeatedCompositeFieldContainer[SeqDraftInput]
+    release_ids: _containers.RepeatedScalarFieldContainer[int]
+    traceparent: bytes
+    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqDraftInput, _Mapping]]] = ..., release_ids: _Optional[_Iterable[int]] = ..., traceparent: _Optional[bytes] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("seq_id", "tokens", "parents", "draft_probs", "error")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedScalarFieldContainer[float]
+    error: str
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., error: _Optional[str] = ...) -> None: ...
+
+class DraftReply(_message.Message):
+    __slots__ = ("step", "trees", "draft_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    trees: _containers.RepeatedCompositeFieldContainer[DraftTree]
+    draft_s: float
+    def __init__(self, step: _Optional[int] = ..., trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., draft_s: _Optional[float] = ...) -> None: ...
