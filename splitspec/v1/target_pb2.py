@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitspec.v1 import common_pb2 as splitspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitspec/v1/target.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\x16\n\x14GetTargetInfoRequest\"\xe4\x01\n\nTargetInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x18\n\x10tokenizer_sha256\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x13\n\x0bmax_running\x18\x06 \x01(\r\x12\x11\n\thas_draft\x18\x07 \x01(\x08\x12/\n\rdefault_shape\x18\x08 \x01(\x0b\x32\x18.splitspec.v1.DraftShape\x12\x0f\n\x07tp_size\x18\t \x01(\r\"\xec\x01\n\x05\x41\x64mit\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x07 \x01(\x0e\x32\x1d.splitspec.v1.SpeculationMode\x12\x13\n\x0btraceparent\x18\x08 \x01(\x0c\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\"\x87\x01\n\nSpecPolicy\x12/\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1e.splitspec.v1.SpecPolicy.Entry\x1aH\n\x05\x45ntry\x12\x16\n\x0emax_batch_size\x18\x01 \x01(\r\x12\'\n\x05shape\x18\x02 \x01(\x0b\x32\x18.splitspec.v1.DraftShape\"\x90\x01\n\x0cServeRequest\x12$\n\x05\x61\x64mit\x18\x01 \x01(\x0b\x32\x13.splitspec.v1.AdmitH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.splitspec.v1.CancelH\x00\x12*\n\x06policy\x18\x03 \x01(\x0b\x32\x18.splitspec.v1.SpecPolicyH\x00\x42\x06\n\x04kind\"\xad\x01\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12%\n\x04spec\x18\x05 \x01(\x0b\x32\x17.splitspec.v1.SpecStats\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\"\xd0\x01\n\tStepStats\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nbatch_size\x18\x02 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\r\x12\x12\n\nspeculated\x18\x04 \x01(\x08\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\r\x12\x0f\n\x07\x64raft_s\x18\x07 \x01(\x01\x12\x11\n\tforward_s\x18\x08 \x01(\x01\x12\x0f\n\x07total_s\x18\t \x01(\x01\x12\x0f\n\x07waiting\x18\n \x01(\r\"^\n\nServeEvent\x12(\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x18.splitspec.v1.TokenDelta\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.splitspec.v1.StepStats2\xe3\x01\n\x06Target\x12\x41\n\x05Serve\x12\x1a.splitspec.v1.ServeRequest\x1a\x18.splitspec.v1.ServeEvent(\x01\x30\x01\x12G\n\x07GetInfo\x12\".splitspec.v1.GetTargetInfoRequest\x1a\x18.splitspec.v1.TargetInfo\x12M\n\rGetInitReport\x12\".splitspec.v1.GetInitReportRequest\x1a\x18.splitspec.v1.InitReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19splitspec/v1/target.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\x16\n\x14GetTargetInfoRequest\"\xae\x02\n\nTargetInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x18\n\x10tokenizer_sha256\x18\x03 \x01(\t\x12\x15\n\reos_token_ids\x18\x04 \x03(\r\x12\x13\n\x0bmax_context\x18\x05 \x01(\r\x12\x13\n\x0bmax_running\x18\x06 \x01(\r\x12\x11\n\thas_draft\x18\x07 \x01(\x08\x12/\n\rdefault_shape\x18\x08 \x01(\x0b\x32\x18.splitspec.v1.DraftShape\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12.\n\x0c\x64raft_report\x18\n \x01(\x0b\x32\x18.splitspec.v1.InitReport\x12\x18\n\x10\x64raft_model_name\x18\x0b \x01(\t\"\xec\x01\n\x05\x41\x64mit\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x12\n\nprompt_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\r\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x32\n\x0bspeculation\x18\x07 \x01(\x0e\x32\x1d.splitspec.v1.SpeculationMode\x12\x13\n\x0btraceparent\x18\x08 \x01(\x0c\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\"\x87\x01\n\nSpecPolicy\x12/\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x1e.splitspec.v1.SpecPolicy.Entry\x1aH\n\x05\x45ntry\x12\x16\n\x0emax_batch_size\x18\x01 \x01(\r\x12\'\n\x05shape\x18\x02 \x01(\x0b\x32\x18.splitspec.v1.DraftShape\"\x90\x01\n\x0cServeRequest\x12$\n\x05\x61\x64mit\x18\x01 \x01(\x0b\x32\x13.splitspec.v1.AdmitH\x00\x12&\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x14.splitspec.v1.CancelH\x00\x12*\n\x06policy\x18\x03 \x01(\x0b\x32\x18.splitspec.v1.SpecPolicyH\x00\x42\x06\n\x04kind\"\xad\x01\n\nTokenDelta\x12\x12\n\nrequest_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12%\n\x04spec\x18\x05 \x01(\x0b\x32\x17.splitspec.v1.SpecStats\x12\x0f\n\x07queue_s\x18\x06 \x01(\x01\"\xd0\x01\n\tStepStats\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nbatch_size\x18\x02 \x01(\r\x12\x16\n\x0eprefill_tokens\x18\x03 \x01(\r\x12\x12\n\nspeculated\x18\x04 \x01(\x08\x12\x16\n\x0e\x64rafted_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x06 \x01(\r\x12\x0f\n\x07\x64raft_s\x18\x07 \x01(\x01\x12\x11\n\tforward_s\x18\x08 \x01(\x01\x12\x0f\n\x07total_s\x18\t \x01(\x01\x12\x0f\n\x07waiting\x18\n \x01(\r\"^\n\nServeEvent\x12(\n\x06\x64\x65ltas\x18\x01 \x03(\x0b\x32\x18.splitspec.v1.TokenDelta\x12&\n\x05stats\x18\x02 \x01(\x0b\x32\x17.splitspec.v1.StepStats2\xe3\x01\n\x06Target\x12\x41\n\x05Serve\x12\x1a.splitspec.v1.ServeRequest\x1a\x18.splitspec.v1.ServeEvent(\x01\x30\x01\x12G\n\x07GetInfo\x12\".splitspec.v1.GetTargetInfoRequest\x1a\x18.splitspec.v1.TargetInfo\x12M\n\rGetInitReport\x12\".splitspec.v1.GetInitReportRequest\x1a\x18.splitspec.v1.InitReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETTARGETINFOREQUEST']._serialized_start=70
   _globals['_GETTARGETINFOREQUEST']._serialized_end=92
   _globals['_TARGETINFO']._serialized_start=95
-  _globals['_TARGETINFO']._serialized_end=323
-  _globals['_ADMIT']._serialized_start=326
-  _globals['_ADMIT']._serialized_end=562
-  _globals['_CANCEL']._serialized_start=564
-  _globals['_CANCEL']._serialized_end=592
-  _globals['_SPECPOLICY']._serialized_start=595
-  _globals['_SPECPOLICY']._serialized_end=730
-  _globals['_SPECPOLICY_ENTRY']._serialized_start=658
-  _globals['_SPECPOLICY_ENTRY']._serialized_end=730
-  _globals['_SERVEREQUEST']._serialized_start=733
-  _globals['_SERVEREQUEST']._serialized_end=877
-  _globals['_TOKENDELTA']._serialized_start=880
-  _globals['_TOKENDELTA']._serialized_end=1053
-  _globals['_STEPSTATS']._serialized_start=1056
-  _globals['_STEPSTATS']._serialized_end=1264
-  _globals['_SERVEEVENT']._serialized_start=1266
-  _globals['_SERVEEVENT']._serialized_end=1360
-  _globals['_TARGET']._serialized_start=1363
-  _globals['_TARGET']._serialized_end=1590
+  _globals['_TARGETINFO']._serialized_end=397
+  _globals['_ADMIT']._serialized_start=400
+  _globals['_ADMIT']._serialized_end=636
+  _globals['_CANCEL']._serialized_start=638
+  _globals['_CANCEL']._serialized_end=666
+  _globals['_SPECPOLICY']._serialized_start=669
+  _globals['_SPECPOLICY']._serialized_end=804
+  _globals['_SPECPOLICY_ENTRY']._serialized_start=732
+  _globals['_SPECPOLICY_ENTRY']._serialized_end=804
+  _globals['_SERVEREQUEST']._serialized_start=807
+  _globals['_SERVEREQUEST']._serialized_end=951
+  _globals['_TOKENDELTA']._serialized_start=954
+  _globals['_TOKENDELTA']._serialized_end=1127
+  _globals['_STEPSTATS']._serialized_start=1130
+  _globals['_STEPSTATS']._serialized_end=1338
+  _globals['_SERVEEVENT']._serialized_start=1340
+  _globals['_SERVEEVENT']._serialized_end=1434
+  _globals['_TARGET']._serialized_start=1437
+  _globals['_TARGET']._serialized_end=1664
 # @@protoc_insertion_point(module_scope)

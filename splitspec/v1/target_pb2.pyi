@@ -12,7 +12,7 @@ class GetTargetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TargetInfo(_message.Message):
-    __slots__ = ("model_name", "vocab_size", "tokenizer_sha256", "eos_token_ids", "max_context", "max_running", "has_draft", "default_shape", "tp_size")
+    __slots__ = ("model_name", "vocab_size", "tokenizer_sha256", "eos_token_ids", "max_context", "max_running", "has_draft", "default_shape", "tp_size", "draft_report", "draft_model_name")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_SHA256_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class TargetInfo(_message.Message):
     HAS_DRAFT_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_SHAPE_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_REPORT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     vocab_size: int
     tokenizer_sha256: str
@@ -31,7 +33,9 @@ class TargetInfo(_message.Message):
     has_draft: bool
     default_shape: _common_pb2.DraftShape
     tp_size: int
-    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_sha256: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_running: _Optional[int] = ..., has_draft: _Optional[bool] = ..., default_shape: _Optional[_Union[_common_pb2.DraftShape, _Mapping]] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    draft_report: _common_pb2.InitReport
+    draft_model_name: str
+    def __init__(self, model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_sha256: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_running: _Optional[int] = ..., has_draft: _Optional[bool] = ..., default_shape: _Optional[_Union[_common_pb2.DraftShape, _Mapping]] = ..., tp_size: _Optional[int] = ..., draft_report: _Optional[_Union[_common_pb2.InitReport, _Mapping]] = ..., draft_model_name: _Optional[str] = ...) -> None: ...
 
 class Admit(_message.Message):
     __slots__ = ("request_id", "prompt_ids", "max_new_tokens", "stop_token_ids", "ignore_eos", "sampling", "speculation", "traceparent")
