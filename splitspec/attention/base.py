@@ -1,0 +1,66 @@
+"""The attention-backend interface.
+
+One forward pass processes a flat batch of query tokens from several
+sequences. Sequence i contributes ``q_len`` new tokens whose K/V are written to
+its last ``q_len`` logical slots, then attends over all ``kv_len`` logical
+slots of its page table (the new ones included), under either the causal mask
+(prefill, plain decode) or an explicit boolean mask (tree verification,
+drafting). This is the shape of flashinfer's paged prefill with a custom mask,
+so a flashinfer backend plugs in behind the same two calls:
+
+    meta = backend.plan(seqs, device)     # once per forward pass
+    out = backend.forward(layer, q, k, v, meta, kv_cache)   # per layer
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from splitspec.kv_cache import KVCache, PageTable
+
+
+@dataclass
+class SeqAttention:
+    """What one sequence brings to a forward pass.
+
+    Invariants: ``q_len <= kv_len <= table.capacity``; ``mask`` is None (causal)
+    or a bool tensor [q_len, kv_len] where True means "may attend".
+    """
+
+    table: PageTable
+    kv_len: int
+    q_len: int
+    mask: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-pass state built by :meth:`AttentionBackend.plan`, reused by every layer."""
+
+    write_slots: torch.Tensor        # [T] global slots of the new tokens, in query order
+    qo_indptr: list[int]             # query token range of sequence i: [qo_indptr[i], qo_indptr[i+1])
+    read_slots: list[torch.Tensor]   # per sequence: [kv_len] global slots, logical order
+    masks: list[torch.Tensor]        # per sequence: [q_len, kv_len] bool
+
+
+class AttentionBackend(ABC):
+    """Computes paged attention for a flat batch of sequences."""
+
+    @abstractmethod
+    def plan(self, seqs: list[SeqAttention], device: torch.device | str) -> AttentionMetadata:
+        """Build the metadata of one forward pass. Raises ValueError on inconsistent input."""
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        """Write k, v ([T, H_kv, D]) into the cache, attend q ([T, H, D]); returns [T, H, D]."""
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device | str) -> torch.Tensor:
+    """Query j (the token at logical slot kv_len - q_len + j) sees slots 0..kv_len - q_len + j."""
+    cols = torch.arange(kv_len, device=device)
+    rows = torch.arange(q_len, device=device) + (kv_len - q_len)
+    return cols[None, :] <= rows[:, None]

@@ -1,0 +1,129 @@
+"""The paged KV cache: page bookkeeping (no tensors) and the tensor pool.
+
+Layout, as flashinfer expects it (NHD): per layer ``[num_pages, 2, page_size,
+num_kv_heads, head_dim]`` with K at index 0 and V at index 1; all layers live in
+one tensor ``[num_layers, num_pages, 2, page_size, num_kv_heads, head_dim]``.
+
+A sequence owns a :class:`PageTable`: its pages in order, and how many logical
+slots it uses. Logical slot s of a sequence lives at global slot
+``pages[s // page_size] * page_size + s % page_size``. Tree nodes are written to
+fresh logical slots after the committed prefix; after verification the accepted
+path is copied down to contiguous slots (:meth:`KVCache.copy_slots`) and the
+table is truncated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class OutOfPages(RuntimeError):
+    """The pool has fewer free pages than asked for."""
+
+
+class PagePool:
+    """Free list of page ids. Bookkeeping only: never touches a tensor."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, num: int) -> bool:
+        return num <= len(self._free)
+
+    def allocate(self, num: int) -> list[int]:
+        if num > len(self._free):
+            raise OutOfPages(f"asked for {num} pages, {len(self._free)} of {self.num_pages} free")
+        pages = self._free[len(self._free) - num:][::-1]
+        del self._free[len(self._free) - num:]
+        return pages
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+@dataclass
+class PageTable:
+    """The pages of one sequence and the number of logical slots in use."""
+
+    page_size: int
+    pages: list[int] = field(default_factory=list)
+    num_slots: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.pages) * self.page_size
+
+    def pages_needed(self, num_slots: int) -> int:
+        """Extra pages needed to hold num_slots logical slots in all."""
+        want = -(-num_slots // self.page_size)
+        return max(0, want - len(self.pages))
+
+    def reserve(self, pool: PagePool, num_slots: int) -> None:
+        """Make room for num_slots logical slots in all (allocating from pool)."""
+        need = self.pages_needed(num_slots)
+        if need:
+            self.pages.extend(pool.allocate(need))
+
+    def release(self, pool: PagePool) -> None:
+        pool.free(self.pages)
+        self.pages = []
+        self.num_slots = 0
+
+    def global_slots(self, start: int, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Global slot ids of logical slots [start, end) as int64."""
+        if end > self.capacity:
+            raise IndexError(f"logical slots up to {end} asked, {self.capacity} reserved")
+        logical = torch.arange(start, end, dtype=torch.int64)
+        pages = torch.tensor(self.pages, dtype=torch.int64)
+        return (pages[logical // self.page_size] * self.page_size
+                + logical % self.page_size).to(device)
+
+
+class KVCache:
+    """The preallocated K/V tensor pool of one process (all layers)."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.page_size = page_size
+        self.num_pages = num_pages
+        # data: [L, num_pages, 2, page_size, H_kv, D]
+        self.data = torch.zeros(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim,
+                                dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_needed(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                     head_dim: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return num_layers * num_pages * 2 * page_size * num_kv_heads * head_dim * itemsize
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, each flattened to [num_pages * page_size, H_kv, D]."""
+        pool = self.data[layer]
+        shape = (-1, pool.shape[-2], pool.shape[-1])
+        return pool[:, 0].reshape(shape), pool[:, 1].reshape(shape)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v ([T, H_kv, D]) at global slots [T]."""
+        pool = self.data[layer]
+        pages, offsets = slots // self.page_size, slots % self.page_size
+        pool[pages, 0, offsets] = k.to(pool.dtype)
+        pool[pages, 1, offsets] = v.to(pool.dtype)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V from global slots src to dst (same length).
+
+        Reads all sources before writing, so overlapping src/dst are safe.
+        """
+        src_pages, src_off = src // self.page_size, src % self.page_size
+        dst_pages, dst_off = dst // self.page_size, dst % self.page_size
+        moved = self.data[:, src_pages, :, src_off].clone()  # [N, L, 2, H_kv, D] after advanced indexing
+        self.data[:, dst_pages, :, dst_off] = moved

@@ -1,0 +1,1 @@
+"""Llama-architecture models (target and standalone draft) and the EAGLE-3 head."""

@@ -1,0 +1,70 @@
+"""The EAGLE-3 draft head (SGLang / vLLM / SpecForge checkpoint layout).
+
+Per token the head reads the token's embedding and a hidden state: for tokens
+the target committed, ``fc`` fuses the target's three captured features
+[T, 3 * H_target] into H; for tokens the head drafted itself, its own previous
+output ``g`` (already H wide) is used. One decoder layer attends over
+[input_layernorm(embedding) ‖ hidden_norm(hidden)] (2H wide), and returns
+``g`` (the pre-norm residual stream, fed to the next drafting step) and
+draft-vocabulary logits from ``lm_head(norm(g))``; ``d2t`` maps draft ids to
+target ids.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from splitspec.model.config import Eagle3Config
+from splitspec.model.layers import AttentionContext, LlamaAttention, LlamaMLP, RMSNorm
+
+
+class Eagle3Output(NamedTuple):
+    logits: torch.Tensor  # [T, draft_vocab] float32
+    g: torch.Tensor       # [T, H] residual stream, the hidden input of the next step
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        layer = cfg.layer
+        self.input_layernorm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
+        self.hidden_norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
+        self.self_attn = LlamaAttention(layer, in_features=2 * layer.hidden_size)
+        self.post_attention_layernorm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
+        self.mlp = LlamaMLP(layer)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                ctx: AttentionContext) -> torch.Tensor:
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        h = hidden + self.self_attn(x, positions, 0, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        layer = cfg.layer
+        self.config = cfg
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, layer.hidden_size, bias=False)
+        self.embed_tokens = nn.Embedding(layer.vocab_size, layer.hidden_size)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
+        self.lm_head = nn.Linear(layer.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(layer.vocab_size, dtype=torch.bool))
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features [T, 3 * H_target] -> hidden [T, H]."""
+        return self.fc(features.to(self.fc.weight.dtype))
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                ctx: AttentionContext) -> Eagle3Output:
+        """input_ids [T]; hidden [T, H]: fused target features or the head's own g."""
+        g = self.midlayer(self.embed_tokens(input_ids), hidden, positions, ctx)
+        return Eagle3Output(self.lm_head(self.norm(g)).float(), g)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]

@@ -1,0 +1,113 @@
+"""Load Hugging Face checkpoint folders (config.json + *.safetensors) into our modules."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from splitspec.model.config import Eagle3Config, LlamaConfig, read_hf_config
+from splitspec.model.eagle3 import Eagle3Head
+from splitspec.model.layers import Rotary, rope_inv_freq
+from splitspec.model.llama import LlamaForCausalLM
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
+def read_tensors(model_dir: Path, desc: str) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    files = safetensors_files(model_dir)
+    for path in tqdm(files, desc=desc, unit="file", disable=len(files) < 2):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
+def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], model_dir: Path,
+               optional: set[str]) -> None:
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(tensors) - optional)
+    unexpected = sorted(set(tensors) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {model_dir} does not fit the model: "
+                         f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                         f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{model_dir}: tensor {name} has shape {tuple(value.shape)}, "
+                             f"the config implies {tuple(expected[name].shape)}")
+    module.load_state_dict(tensors, strict=False)
+
+
+def load_llama(model_dir: Path, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
+    cfg = LlamaConfig.from_hf(read_hf_config(model_dir))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu")
+    tensors = read_tensors(model_dir, f"loading {Path(model_dir).name}")
+    optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    _load_into(model, tensors, model_dir, optional)
+    if "lm_head.weight" not in tensors:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return _finish(model, dtype, device)
+
+
+def load_eagle3(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
+                target_embedding: torch.Tensor | None = None) -> Eagle3Head:
+    """Load an EAGLE-3 head; a head without embed_tokens needs target_embedding."""
+    cfg = Eagle3Config.from_hf(read_hf_config(model_dir))
+    with torch.device("meta"):
+        head = Eagle3Head(cfg)
+    head = head.to_empty(device="cpu")
+    tensors = read_tensors(model_dir, f"loading {Path(model_dir).name}")
+    tensors = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v
+               for k, v in tensors.items()}
+    if "embed_tokens.weight" not in tensors:
+        if target_embedding is None:
+            raise ValueError(f"{model_dir} has no embed_tokens.weight: pass the target checkpoint "
+                             "(--target-model) so the head can use the target's embedding")
+        tensors["embed_tokens.weight"] = target_embedding
+    optional = {"d2t", "t2d"}
+    _load_into(head, tensors, model_dir, optional)
+    if "d2t" not in tensors:  # draft vocabulary == target vocabulary
+        head.d2t.zero_()
+        head.t2d.fill_(True)
+    return _finish(head, dtype, device)
+
+
+def _finish(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """Cast and move; recompute rotary frequencies in float32 (meta construction left them empty)."""
+    module = module.to(device=device, dtype=dtype).eval()
+    cfg = _owner_config(module)
+    for sub in module.modules():
+        if isinstance(sub, Rotary):
+            sub.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
+    return module
+
+
+def _owner_config(module: nn.Module) -> LlamaConfig:
+    cfg = module.config
+    return cfg.layer if isinstance(cfg, Eagle3Config) else cfg

@@ -1,0 +1,97 @@
+"""Token trees: validation, attention masks, positions, and greedy acceptance.
+
+A tree travels as ``(tokens, parents)`` (draft.proto ``DraftTree``): node i of
+``tokens`` has tree index i + 1, index 0 is the root (the last committed token),
+and ``parents[i]`` is the tree index of node i's parent, so
+``0 <= parents[i] <= i``: parents precede children. Everything else (depths,
+masks, positions, the accepted path) is derived here by pure functions.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Tree(NamedTuple):
+    tokens: list[int]   # drafted nodes, tree indices 1..len(tokens)
+    parents: list[int]  # tree index of each node's parent (0 = root)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.tokens)
+
+
+EMPTY_TREE = Tree([], [])
+
+
+def tree_error(tree: Tree, vocab_size: int, max_nodes: int) -> str | None:
+    """Why the tree must not be verified, or None when it is well formed and within budget."""
+    if len(tree.tokens) != len(tree.parents):
+        return f"{len(tree.tokens)} tokens but {len(tree.parents)} parents"
+    if len(tree.tokens) > max_nodes:
+        return f"{len(tree.tokens)} nodes exceed the budget of {max_nodes}"
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents, strict=True)):
+        if not 0 <= token < vocab_size:
+            return f"node {i + 1} has token {token} outside the vocabulary [0, {vocab_size})"
+        if not 0 <= parent <= i:
+            return f"node {i + 1} has parent {parent}; parents must precede children (0 <= parent <= {i})"
+    return None
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Depth of every tree index (root = 0), length len(parents) + 1."""
+    out = [0]
+    for parent in parents:
+        out.append(out[parent] + 1)
+    return out
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """[n + 1, n + 1] bool: entry (i, j) is True when j is i itself or an ancestor of i."""
+    n = len(parents) + 1
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask[0, 0] = True
+    for i, parent in enumerate(parents, start=1):
+        mask[i] = mask[parent]
+        mask[i, i] = True
+    return mask
+
+
+def verify_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
+    """Attention mask [n + 1, prefix_len + n + 1] for the root and nodes over a cached prefix."""
+    tree = ancestor_mask(parents)
+    prefix = torch.ones(tree.shape[0], prefix_len, dtype=torch.bool)
+    return torch.cat((prefix, tree), dim=1)
+
+
+def positions(parents: list[int], root_position: int) -> torch.Tensor:
+    """Rope position of every tree index: the root's plus its depth."""
+    return torch.tensor(depths(parents), dtype=torch.int64) + root_position
+
+
+class Acceptance(NamedTuple):
+    path: list[int]   # accepted tree indices, root excluded, in order
+    tokens: list[int]  # the tokens to commit: accepted nodes' tokens then the bonus token
+
+
+def greedy_accept(tree: Tree, argmax: list[int]) -> Acceptance:
+    """Walk from the root, accepting the child whose token is the target's argmax at its parent.
+
+    ``argmax[i]`` is the target's greedy token after tree index i. The bonus
+    token is the argmax at the last accepted node, so at least one token is
+    always committed, and the result equals plain greedy decoding.
+    """
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(tree.parents, start=1):
+        children.setdefault(parent, []).append(i)
+    path, out, node = [], [], 0
+    while True:
+        want = argmax[node]
+        nxt = next((c for c in children.get(node, ()) if tree.tokens[c - 1] == want), None)
+        out.append(want)
+        if nxt is None:
+            return Acceptance(path, out)
+        path.append(nxt)
+        node = nxt

@@ -1,0 +1,41 @@
+"""Target service configuration (flags are generated from these fields)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitspec.builtin import BUILTIN_TARGET
+from splitspec.config_args import option
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    model: Path = option(BUILTIN_TARGET, "target checkpoint folder (config.json, *.safetensors, tokenizer.json)")
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(50052, "gRPC port")
+    draft: str = option("", "draft service address host:port; empty = no speculation")
+    dtype: str = option("float32", "weights and activations dtype", ("float32", "bfloat16", "float16"))
+    device: str = option("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    attention_backend: str = option("torch", "attention backend", ("torch",))
+    max_running: int = option(32, "sequences decoded at once")
+    max_context: int = option(1024, "prompt + generated tokens per sequence")
+    page_size: int = option(16, "KV-cache page size in tokens")
+    num_pages: int = option(0, "KV-cache pages; 0 = enough for max_running full sequences")
+    max_prefill_tokens: int = option(4096, "prompt tokens prefilled in one step")
+    num_draft_tokens: int = option(8, "default tree size (nodes, root excluded) when speculating")
+    topk: int = option(4, "default tree branching (1 = chain)")
+    num_steps: int = option(4, "default tree depth")
+    draft_timeout_s: float = option(2.0, "deadline of one draft exchange; past it the step decodes plainly")
+    connect_timeout_s: float = option(120.0, "how long connect_draft waits for the draft to be SERVING")
+    init_report: Path | None = option(None, "also write the JSON init report to this file")
+    log_level: str = option("INFO", "logging level")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def max_tree_nodes(self) -> int:
+        """The largest tree a step may verify (the policy cannot ask for more)."""
+        return max(self.num_draft_tokens, 64)

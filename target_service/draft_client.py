@@ -1,0 +1,115 @@
+"""The target's end of the long-lived draft stream: one request and one reply per step."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import grpc
+
+from splitspec.grpc_server import wait_for_serving
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_END = object()
+RETRY_AFTER_S = 2.0
+
+
+class ExchangeResult(NamedTuple):
+    reply: draft_pb2.DraftReply | None  # None when the draft could not answer in time
+    error: str                          # why not ("" with a reply)
+    stream_restarted: bool              # the draft lost all sequence state since the last call
+
+
+class DraftLink:
+    """Owns the Exchange stream; reopens it (after a pause) when it breaks.
+
+    A reply is matched to its request by ``step``; a late reply to a request
+    that already timed out is dropped.
+    """
+
+    def __init__(self, address: str, channel: grpc.Channel, info: draft_pb2.DraftInfo,
+                 timeout_s: float) -> None:
+        self.address = address
+        self.info = info
+        self.timeout_s = timeout_s
+        self._stub = draft_pb2_grpc.DraftStub(channel)
+        self._channel = channel
+        self._requests: queue.Queue = queue.Queue()
+        self._replies: queue.Queue = queue.Queue()
+        self._call: grpc.Future | None = None
+        self._retry_at = 0.0
+        self._open()
+
+    @classmethod
+    def connect(cls, address: str, timeout_s: float, exchange_timeout_s: float) -> DraftLink:
+        channel = wait_for_serving(address, timeout_s, "draft service")
+        info = draft_pb2_grpc.DraftStub(channel).GetInfo(draft_pb2.GetDraftInfoRequest(), timeout=10)
+        return cls(address, channel, info, exchange_timeout_s)
+
+    def init_report(self) -> common_pb2.InitReport:
+        return self._stub.GetInitReport(common_pb2.GetInitReportRequest(), timeout=10)
+
+    def _open(self) -> None:
+        self._requests = queue.Queue()
+        self._replies = queue.Queue()
+        requests = self._requests
+        self._call = self._stub.Exchange(iter(requests.get, _END))
+        threading.Thread(target=self._read, args=(self._call, self._replies), daemon=True,
+                         name="draft-reader").start()
+
+    @staticmethod
+    def _read(call: Iterator, replies: queue.Queue) -> None:
+        try:
+            for reply in call:
+                replies.put(reply)
+        except grpc.RpcError as exc:  # the stream ended: the exchange that waits reports it
+            log.warning("draft stream ended: %s %s", exc.code().name, exc.details())
+            replies.put(exc)
+            return
+        replies.put(grpc.RpcError("draft stream closed by the draft"))
+
+    @property
+    def is_open(self) -> bool:
+        return self._call is not None
+
+    def exchange(self, request: draft_pb2.DraftRequest) -> ExchangeResult:
+        restarted = False
+        if self._call is None:
+            if time.monotonic() < self._retry_at:
+                return ExchangeResult(None, "draft stream down, retrying later", False)
+            self._open()
+            restarted = True
+        self._requests.put(request)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                item = self._replies.get(timeout=max(left, 0.0))
+            except queue.Empty:
+                return ExchangeResult(None, f"no draft reply within {self.timeout_s:.2f}s", restarted)
+            if isinstance(item, Exception):
+                self._break()
+                return ExchangeResult(None, f"draft stream failed: {item}", True)
+            if item.step == request.step:
+                return ExchangeResult(item, "", restarted)
+            log.info("dropping late draft reply for step %d", item.step)
+
+    def _break(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        self._requests.put(_END)
+        self._call = None
+        self._retry_at = time.monotonic() + RETRY_AFTER_S
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._requests.put(_END)
+            self._call.cancel()
+            self._call = None
+        self._channel.close()

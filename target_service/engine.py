@@ -1,0 +1,401 @@
+"""The target's continuous-batching step loop (rank 0).
+
+Each step: take admissions, cancellations and policy updates from the inbox;
+admit what fits; ask the draft for trees for the decoding sequences that
+speculate this step (one exchange); run ONE forward over the newcomers'
+prompts (causal) and every decoding sequence's root plus tree (tree mask);
+accept the longest greedy path plus the bonus token; compact the KV cache to
+the accepted path; emit token deltas. The loop never waits on the gateway.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from splitspec.attention.base import AttentionBackend, SeqAttention
+from splitspec.kv_cache import KVCache, PageTable
+from splitspec.model.layers import AttentionContext
+from splitspec.model.llama import LlamaForCausalLM
+from splitspec.tree import EMPTY_TREE, Tree, greedy_accept, positions, tree_error, verify_mask
+from splitspec.v1 import common_pb2, draft_pb2, target_pb2
+from target_service.draft_client import DraftLink
+from target_service.scheduler import Scheduler
+from target_service.sequence import FeatureHistory, Sequence, SpecCounters
+
+log = logging.getLogger(__name__)
+
+NO_SPECULATION = common_pb2.DraftShape()
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    vocab_size: int
+    max_context: int
+    max_prefill_tokens: int
+    max_tree_nodes: int
+    default_shape: common_pb2.DraftShape
+    eos_ids: frozenset[int]
+
+
+class _Stream(NamedTuple):
+    outbox: queue.Queue  # ServeEvent, then None when the stream is closed
+
+
+def shape_for(policy: target_pb2.SpecPolicy, batch_size: int,
+              default: common_pb2.DraftShape) -> common_pb2.DraftShape:
+    """The draft shape the policy gives a decode batch of this size (zeros filled from default)."""
+    for entry in policy.entries:
+        if batch_size <= entry.max_batch_size:
+            shape = entry.shape
+            if shape.num_draft_tokens == 0:
+                return NO_SPECULATION
+            return common_pb2.DraftShape(
+                num_draft_tokens=shape.num_draft_tokens,
+                topk=shape.topk or default.topk,
+                num_steps=shape.num_steps or default.num_steps,
+            )
+    return NO_SPECULATION
+
+
+def always_speculate(shape: common_pb2.DraftShape) -> target_pb2.SpecPolicy:
+    return target_pb2.SpecPolicy(entries=[
+        target_pb2.SpecPolicy.Entry(max_batch_size=2**32 - 1, shape=shape)])
+
+
+class Engine:
+    """Owns the model, the KV cache and every sequence. Thread-safe entry points:
+    :meth:`open_stream`, :meth:`submit`, :meth:`close_stream`, :meth:`generate`."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, backend: AttentionBackend,
+                 scheduler: Scheduler, limits: EngineLimits, draft: DraftLink | None,
+                 capture: tuple[int, ...], device: torch.device | str) -> None:
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.scheduler = scheduler
+        self.limits = limits
+        self.draft = draft
+        self.capture = capture
+        self.device = device
+        self.policy = always_speculate(limits.default_shape)
+        self.totals = SpecCounters()
+        self.last_stats = target_pb2.StepStats()
+        self._inbox: queue.Queue = queue.Queue()
+        self._streams: dict[int, _Stream] = {}
+        self._by_request: dict[tuple[int, int], Sequence] = {}
+        self._stream_ids = itertools.count(1)
+        self._seq_ids = itertools.count(1)
+        self._step = 0
+        self._pending_releases: list[int] = []
+        self._pending: dict[int, list[target_pb2.TokenDelta]] = {}  # stream id -> deltas to send
+        self._lock = threading.Lock()
+
+    # ---- thread-safe entry points -------------------------------------------------------
+
+    def open_stream(self) -> tuple[int, queue.Queue]:
+        with self._lock:
+            stream_id = next(self._stream_ids)
+            self._streams[stream_id] = _Stream(queue.Queue())
+            return stream_id, self._streams[stream_id].outbox
+
+    def submit(self, stream_id: int, request: target_pb2.ServeRequest) -> None:
+        self._inbox.put((stream_id, request))
+
+    def close_stream(self, stream_id: int) -> None:
+        self._inbox.put((stream_id, None))
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: int,
+                 timeout_s: float = 60.0) -> tuple[list[int], common_pb2.SpecStats]:
+        """Run one request through the live loop (used by warmup and tests)."""
+        stream_id, outbox = self.open_stream()
+        self.submit(stream_id, target_pb2.ServeRequest(admit=target_pb2.Admit(
+            request_id=1, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+            ignore_eos=True, speculation=mode)))
+        tokens: list[int] = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            while True:
+                event = outbox.get(timeout=max(deadline - time.monotonic(), 0.001))
+                for delta in event.deltas:
+                    tokens.extend(delta.token_ids)
+                    if delta.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                        raise RuntimeError(f"generation failed: {delta.error}")
+                    if delta.finish_reason:
+                        return tokens, delta.spec
+        finally:
+            self.close_stream(stream_id)
+
+    # ---- the loop ---------------------------------------------------------------------
+
+    def run(self, stop: threading.Event, on_crash: Callable[[BaseException], None]) -> None:
+        """Step until stop is set. A failing step fails every request and calls on_crash."""
+        try:
+            while not stop.is_set():
+                self._drain_inbox(block=not self.scheduler.has_work)
+                if self.scheduler.has_work:
+                    self.step()
+        except Exception as exc:  # the engine is broken: fail requests, report, let main exit
+            log.exception("engine step failed; failing all requests")
+            self._fail_all(f"target engine failed: {type(exc).__name__}: {exc}")
+            on_crash(exc)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self._flush()  # admission errors are answered at once
+
+    def _handle(self, stream_id: int, request: target_pb2.ServeRequest | None) -> None:
+        if request is None:
+            self._close(stream_id)
+        elif request.HasField("admit"):
+            self._admit(stream_id, request.admit)
+        elif request.HasField("cancel"):
+            seq = self._by_request.get((stream_id, request.cancel.request_id))
+            if seq is not None:
+                seq.is_cancelled = True
+        elif request.HasField("policy"):
+            log.info("speculation policy: %s", [(e.max_batch_size, e.shape.num_draft_tokens)
+                                                 for e in request.policy.entries])
+            self.policy = request.policy
+
+    def _admit(self, stream_id: int, admit: target_pb2.Admit) -> None:
+        stop_ids = set(admit.stop_token_ids) | (set() if admit.ignore_eos else set(self.limits.eos_ids))
+        seq = Sequence(
+            request_id=admit.request_id, stream_id=stream_id, prompt_ids=list(admit.prompt_ids),
+            max_new_tokens=admit.max_new_tokens, stop_ids=frozenset(stop_ids),
+            speculation=admit.speculation, table=PageTable(self.cache.page_size),
+            seq_id=next(self._seq_ids))
+        problem = self._admission_error(seq)
+        if problem:
+            self._emit(seq, [], common_pb2.FINISH_REASON_ERROR, problem)
+            return
+        self._by_request[(stream_id, seq.request_id)] = seq
+        self.scheduler.add(seq)
+
+    def _admission_error(self, seq: Sequence) -> str:
+        if not seq.prompt_ids or seq.max_new_tokens < 1:
+            return "empty prompt or max_new_tokens < 1"
+        if len(seq.prompt_ids) + seq.max_new_tokens > self.limits.max_context:
+            return (f"prompt ({len(seq.prompt_ids)}) + max_new_tokens ({seq.max_new_tokens}) exceeds "
+                    f"the context of {self.limits.max_context}")
+        if max(seq.prompt_ids) >= self.limits.vocab_size:
+            return f"token id {max(seq.prompt_ids)} >= vocabulary size {self.limits.vocab_size}"
+        if not self.scheduler.can_ever_fit(seq):
+            return "the KV cache is too small for this request"
+        return ""
+
+    def _close(self, stream_id: int) -> None:
+        for seq in [s for s in self._by_request.values() if s.stream_id == stream_id]:
+            self._finish(seq)
+        stream = self._streams.pop(stream_id, None)
+        if stream is not None:
+            stream.outbox.put(None)
+
+    def _fail_all(self, message: str) -> None:
+        for seq in list(self._by_request.values()):
+            self._emit(seq, [], common_pb2.FINISH_REASON_ERROR, message)
+        for stream in self._streams.values():
+            stream.outbox.put(None)
+
+    # ---- one step ---------------------------------------------------------------------
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        self._step += 1
+        for seq in [s for s in self._by_request.values() if s.is_cancelled]:
+            self._emit(seq, [], common_pb2.FINISH_REASON_CANCELLED)
+            self._finish(seq)
+        self.scheduler.admit()
+        prefill = self.scheduler.prefill_batch(self.limits.max_prefill_tokens)
+        decode = self.scheduler.decode_batch()
+        if not prefill and not decode:
+            return
+        draft_start = time.perf_counter()
+        trees = self._draft_trees(decode)
+        forward_start = time.perf_counter()
+        drafted, accepted = self._forward_and_commit(prefill, decode, trees)
+        end = time.perf_counter()
+        self.last_stats = target_pb2.StepStats(
+            step=self._step, batch_size=len(decode),
+            prefill_tokens=sum(len(s.prompt_ids) for s in prefill),
+            speculated=any(t.num_nodes for t in trees.values()),
+            drafted_tokens=drafted, accepted_tokens=accepted,
+            draft_s=forward_start - draft_start, forward_s=end - forward_start,
+            total_s=end - start, waiting=len(self.scheduler.waiting))
+        self._flush()
+
+    def _shape(self, seq: Sequence, batch_size: int) -> common_pb2.DraftShape:
+        if self.draft is None or seq.speculation == common_pb2.SPECULATION_MODE_OFF:
+            return NO_SPECULATION
+        if seq.speculation == common_pb2.SPECULATION_MODE_ON:
+            return self.limits.default_shape
+        return shape_for(self.policy, batch_size, self.limits.default_shape)
+
+    def _draft_trees(self, decode: list[Sequence]) -> dict[int, Tree]:
+        """One draft exchange for the sequences that speculate this step; {} when none can."""
+        shapes = {s.seq_id: self._shape(s, len(decode)) for s in decode}
+        wanting = [s for s in decode if shapes[s.seq_id].num_draft_tokens > 0]
+        if not wanting or self.draft is None:
+            return {}
+        request = draft_pb2.DraftRequest(step=self._step, release_ids=self._pending_releases,
+                                         seqs=[self._draft_input(s, shapes[s.seq_id]) for s in wanting])
+        result = self.draft.exchange(request)
+        if result.stream_restarted:
+            for seq in self.scheduler.running:
+                seq.draft_synced = 0
+        if result.reply is None:
+            log.warning("step %d decodes without speculation: %s", self._step, result.error)
+            return {}
+        self._pending_releases = []
+        trees = {}
+        for seq, pb in zip(wanting, result.reply.trees, strict=False):
+            tree = self._accept_tree(seq, pb, shapes[seq.seq_id].num_draft_tokens)
+            if tree is not None:
+                trees[seq.seq_id] = tree
+        return trees
+
+    def _draft_input(self, seq: Sequence, shape: common_pb2.DraftShape) -> draft_pb2.SeqDraftInput:
+        start = seq.draft_synced
+        item = draft_pb2.SeqDraftInput(seq_id=seq.seq_id, start=start,
+                                       new_tokens=seq.tokens[start:], shape=shape)
+        if seq.features is not None:
+            rows = seq.features.rows(max(start - 1, 0), seq.num_cached)
+            item.hidden_states = rows.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+            item.hidden_dim = rows.shape[1]
+            item.dtype = str(rows.dtype).removeprefix("torch.")
+        return item
+
+    def _accept_tree(self, seq: Sequence, pb: draft_pb2.DraftTree, budget: int) -> Tree | None:
+        if pb.seq_id != seq.seq_id or pb.error:
+            log.warning("draft could not serve sequence %d: %s", seq.seq_id, pb.error or "wrong seq_id")
+            seq.draft_synced = 0  # resend everything next time
+            return None
+        seq.draft_synced = len(seq.tokens)
+        tree = Tree(list(pb.tokens), list(pb.parents))
+        problem = tree_error(tree, self.limits.vocab_size, budget)
+        if problem:
+            log.warning("rejected draft tree for sequence %d: %s", seq.seq_id, problem)
+            seq.spec.rejected_trees += 1
+            return None
+        return tree
+
+    def _forward_and_commit(self, prefill: list[Sequence], decode: list[Sequence],
+                            trees: dict[int, Tree]) -> tuple[int, int]:
+        ids, pos, attn, logit_rows = [], [], [], []
+        for seq in prefill:
+            n = len(seq.prompt_ids)
+            ids.append(torch.tensor(seq.prompt_ids))
+            pos.append(torch.arange(n))
+            attn.append(SeqAttention(seq.table, kv_len=n, q_len=n))
+        for seq in decode:
+            tree = trees.get(seq.seq_id, EMPTY_TREE)
+            length = seq.num_cached
+            ids.append(torch.tensor([seq.tokens[-1], *tree.tokens]))
+            pos.append(positions(tree.parents, length))
+            mask = verify_mask(tree.parents, length) if tree.num_nodes else None
+            attn.append(SeqAttention(seq.table, kv_len=length + 1 + tree.num_nodes,
+                                     q_len=1 + tree.num_nodes, mask=mask))
+        starts = list(itertools.accumulate([a.q_len for a in attn], initial=0))
+        logit_rows.extend(starts[i + 1] - 1 for i in range(len(prefill)))
+        for i in range(len(prefill), len(attn)):
+            logit_rows.extend(range(starts[i], starts[i + 1]))
+        meta = self.backend.plan(attn, self.device)
+        ctx = AttentionContext(self.backend, meta, self.cache)
+        with torch.inference_mode():
+            out = self.model(torch.cat(ids).to(self.device), torch.cat(pos).to(self.device), ctx,
+                             self.capture)
+            rows = torch.tensor(logit_rows, device=self.device)
+            argmax = self.model.compute_logits(out.hidden[rows]).argmax(dim=-1).tolist()
+        for i, seq in enumerate(prefill):
+            self._commit_prefill(seq, argmax[i], out.aux, starts[i], starts[i + 1])
+        drafted = accepted = 0
+        cursor = len(prefill)
+        for i, seq in enumerate(decode, start=len(prefill)):
+            tree = trees.get(seq.seq_id, EMPTY_TREE)
+            greedy = argmax[cursor: cursor + 1 + tree.num_nodes]
+            cursor += 1 + tree.num_nodes
+            num_accepted = self._commit_decode(seq, tree, greedy, out.aux, starts[i])
+            drafted += tree.num_nodes
+            accepted += num_accepted
+        return drafted, accepted
+
+    def _commit_prefill(self, seq: Sequence, token: int, aux: torch.Tensor | None,
+                        lo: int, hi: int) -> None:
+        seq.num_cached = len(seq.prompt_ids)
+        seq.table.num_slots = seq.num_cached
+        if aux is not None:
+            seq.features = FeatureHistory(aux.shape[1], aux.dtype, aux.device)
+            seq.features.append(aux[lo:hi])
+        self._emit_tokens(seq, [token])
+
+    def _commit_decode(self, seq: Sequence, tree: Tree, greedy: list[int],
+                       aux: torch.Tensor | None, lo: int) -> int:
+        """Accept, compact the KV cache to the accepted path, commit tokens; returns accepted count."""
+        acceptance = greedy_accept(tree, greedy)
+        length = seq.num_cached
+        kept = [0, *acceptance.path]  # tree indices whose K/V stays: root then accepted nodes
+        moved = [(length + src, length + dst) for dst, src in enumerate(kept) if src != dst]
+        if moved:
+            slots = seq.table.global_slots(0, length + 1 + tree.num_nodes, self.device)
+            src = slots[torch.tensor([m[0] for m in moved], device=self.device)]
+            dst = slots[torch.tensor([m[1] for m in moved], device=self.device)]
+            self.cache.copy_slots(src, dst)
+        seq.num_cached = length + len(kept)
+        seq.table.num_slots = seq.num_cached
+        if aux is not None and seq.features is not None:
+            seq.features.append(aux[torch.tensor([lo + k for k in kept], device=aux.device)])
+        if tree.num_nodes:
+            depth = max(positions(tree.parents, 0).tolist())
+            seq.spec.record_verify(tree.num_nodes, depth, len(acceptance.path))
+        else:
+            seq.spec.plain_steps += 1
+        self._emit_tokens(seq, acceptance.tokens)
+        return len(acceptance.path)
+
+    # ---- output -----------------------------------------------------------------------
+
+    def _emit_tokens(self, seq: Sequence, tokens: list[int]) -> None:
+        kept = seq.commit(tokens)
+        self._emit(seq, kept, seq.finish_reason)
+        if seq.finish_reason:
+            self._finish(seq)
+
+    def _emit(self, seq: Sequence, tokens: list[int], finish: int, error: str = "") -> None:
+        delta = target_pb2.TokenDelta(request_id=seq.request_id, token_ids=tokens,
+                                      finish_reason=finish, error=error)
+        if finish:
+            delta.spec.CopyFrom(seq.spec.to_pb())
+            delta.queue_s = seq.queue_s
+        self._pending.setdefault(seq.stream_id, []).append(delta)
+
+    def _finish(self, seq: Sequence) -> None:
+        if self._by_request.pop((seq.stream_id, seq.request_id), None) is None:
+            return
+        self.scheduler.finish(seq)
+        self.totals.merge(seq.spec)
+        if seq.draft_synced:
+            self._pending_releases.append(seq.seq_id)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, {}
+        for stream_id, deltas in pending.items():
+            stream = self._streams.get(stream_id)
+            if stream is not None:
+                stream.outbox.put(target_pb2.ServeEvent(deltas=deltas, stats=self.last_stats))
