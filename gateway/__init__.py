@@ -1,0 +1,1 @@
+"""SplitSpec gateway: the client-facing service (``python -m gateway --help``)."""

@@ -1,0 +1,85 @@
+"""The gateway's configuration: one frozen dataclass; the command line is built from it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from splitspec.builtin import BUILTIN_TARGET
+
+
+def _flag(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Every gateway setting. Invariant: a constructed config is valid (checked in __post_init__)."""
+
+    host: str = _flag("127.0.0.1", "address to listen on")
+    port: int = _flag(50051, "port to listen on (0 = any free port)")
+    target: str = _flag("localhost:50052", "address of the target service")
+    model: Path = _flag(BUILTIN_TARGET,
+                        "checkpoint folder holding tokenizer.json; must be the target's tokenizer")
+    max_running: int = _flag(0, "requests admitted to the target at once "
+                                "(0 = the target's max_running)")
+    max_queued: int = _flag(256, "requests waiting at the gateway when max_running are running; "
+                                 "beyond that requests fail with RESOURCE_EXHAUSTED")
+    default_max_new_tokens: int = _flag(128, "max_new_tokens of requests that do not set it "
+                                             "(lowered to fit the target's max_context)")
+    spec_disable_batch_threshold: int = _flag(
+        0, "turn speculation off when the decode batch is larger than this (0 = never off)")
+    num_draft_tokens: int = _flag(0, "draft tree nodes to verify per step (0 = the target's default)")
+    topk: int = _flag(0, "draft tree branching per level, 1 = chain (0 = the target's default)")
+    num_steps: int = _flag(0, "draft tree depth (0 = the target's default)")
+    connect_timeout_s: float = _flag(120.0, "seconds to wait for the target to be SERVING at "
+                                            "start-up, and for each warmup generation")
+    init_report: Path | None = _flag(None, "also write the JSON init report to this file")
+    log_level: str = _flag("INFO", "logging level (DEBUG, INFO, WARNING, ERROR)")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in 0..65535 (got {self.port})")
+        for name in ("max_running", "max_queued", "spec_disable_batch_threshold",
+                     "num_draft_tokens", "topk", "num_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (got {getattr(self, name)})")
+        if self.default_max_new_tokens < 1:
+            raise ValueError(
+                f"--default-max-new-tokens must be >= 1 (got {self.default_max_new_tokens})")
+        if not isinstance(logging.getLevelName(self.log_level.upper()), int):
+            raise ValueError(f"--log-level must be DEBUG, INFO, WARNING or ERROR (got {self.log_level!r})")
+        if not self.connect_timeout_s > 0:
+            raise ValueError(f"--connect-timeout-s must be > 0 (got {self.connect_timeout_s})")
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _arg_type(f: dataclasses.Field) -> type:
+    if f.name in ("model", "init_report"):
+        return Path
+    return type(f.default)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """An argparse parser with one flag per config field, defaults taken from the dataclass."""
+    parser = argparse.ArgumentParser(
+        prog="python -m gateway",
+        description="SplitSpec gateway: validates, tokenizes, queues and admits requests, "
+                    "streams text back, matches stop strings and sets the speculation policy.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in dataclasses.fields(GatewayConfig):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_arg_type(f),
+                            default=f.default, help=f.metadata["help"])
+    return parser
