@@ -1,0 +1,114 @@
+"""Our Llama implementation against transformers' (the oracle), through the paged cache."""
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from splitspec.attention import SeqAttention, TorchAttentionBackend
+from splitspec.builtin import BUILTIN_TARGET
+from splitspec.kv_cache import KVCache, PagePool, PageTable
+from splitspec.model.config import Eagle3Config, LlamaConfig, RopeConfig
+from splitspec.model.layers import AttentionContext, rope_inv_freq
+from splitspec.model.loader import load_llama
+from splitspec.tree import Tree, positions, verify_mask
+
+
+@pytest.fixture(scope="module")
+def models():
+    ours = load_llama(BUILTIN_TARGET, torch.float32, "cpu")
+    theirs = HFLlama.from_pretrained(BUILTIN_TARGET, dtype=torch.float32).eval()
+    return ours, theirs
+
+
+class Runner:
+    """One sequence over a fresh paged cache."""
+
+    def __init__(self, model):
+        cfg = model.config
+        self.model = model
+        self.backend = TorchAttentionBackend()
+        self.cache = KVCache(cfg.num_layers, 32, 4, cfg.num_kv_heads, cfg.head_dim,
+                             torch.float32, "cpu")
+        self.pool = PagePool(32)
+        self.pool.allocate(3)  # pages out of order, as in a busy pool
+        self.table = PageTable(4)
+        self.table.reserve(self.pool, 100)
+
+    def run(self, ids, pos, kv_len, mask=None, capture=()):
+        meta = self.backend.plan([SeqAttention(self.table, kv_len, len(ids), mask)], "cpu")
+        with torch.inference_mode():
+            out = self.model(torch.tensor(ids), pos, AttentionContext(self.backend, meta, self.cache),
+                             capture)
+            return self.model.compute_logits(out.hidden), out.aux
+
+
+def test_prefill_logits_match_transformers(models):
+    ours, theirs = models
+    ids = torch.randint(0, ours.config.vocab_size, (23,), generator=torch.Generator().manual_seed(1))
+    logits, _ = Runner(ours).run(ids.tolist(), torch.arange(23), 23)
+    with torch.inference_mode():
+        ref = theirs(ids[None]).logits[0]
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_paged_decode_matches_prefill(models):
+    ours, _ = models
+    ids = list(range(40, 60))
+    full, _ = Runner(ours).run(ids, torch.arange(20), 20)
+    runner = Runner(ours)
+    runner.run(ids[:12], torch.arange(12), 12)
+    for i in range(12, 20):
+        step, _ = runner.run([ids[i]], torch.tensor([i]), i + 1)
+        torch.testing.assert_close(step[0], full[i], atol=1e-4, rtol=1e-4)
+
+
+def test_tree_forward_matches_each_branch_decoded_alone(models):
+    ours, _ = models
+    prefix = [11, 12, 13, 14, 15]
+    tree = Tree(tokens=[21, 22, 23, 24], parents=[0, 0, 1, 3])  # branches: 21-23-24 and 22
+    runner = Runner(ours)
+    runner.run(prefix[:-1], torch.arange(4), 4)
+    root_pos = 4
+    logits, _ = runner.run([prefix[-1], *tree.tokens], positions(tree.parents, root_pos),
+                           kv_len=4 + 5, mask=verify_mask(tree.parents, 4))
+    for index, branch in ((3, [21, 23]), (4, [21, 23, 24]), (2, [22])):
+        seq = prefix + branch
+        ref, _ = Runner(ours).run(seq, torch.arange(len(seq)), len(seq))
+        torch.testing.assert_close(logits[index], ref[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_captured_layer_inputs_match_transformers_hidden_states(models):
+    ours, theirs = models
+    ids = list(range(100, 110))
+    _, aux = Runner(ours).run(ids, torch.arange(10), 10, capture=(2, 3, 6))
+    with torch.inference_mode():
+        hs = theirs(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    # transformers' hidden_states[i] is the input of layer i (and [N] the last, pre-norm... normed)
+    h = ours.config.hidden_size
+    torch.testing.assert_close(aux[:, :h], hs[2][0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(aux[:, h:2 * h], hs[3][0], atol=1e-4, rtol=1e-4)
+
+
+def test_llama3_rope_scaling_keeps_high_and_scales_low_frequencies():
+    base = RopeConfig(theta=500000.0)
+    scaled = RopeConfig(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0,
+                        high_freq_factor=4.0, original_max_position=8192)
+    a, b = rope_inv_freq(base, 128), rope_inv_freq(scaled, 128)
+    assert torch.equal(a[:10], b[:10])                     # short wavelengths untouched
+    torch.testing.assert_close(b[-5:], a[-5:] / 8.0)       # long wavelengths divided by factor
+
+
+def test_unsupported_configs_are_refused_with_a_reason():
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn' is not supported"):
+        RopeConfig.from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 2}})
+    with pytest.raises(ValueError, match="not a Llama"):
+        LlamaConfig.from_hf({"model_type": "mistral"})
+
+
+def test_eagle3_aux_layer_convention():
+    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8, "intermediate_size": 8,
+           "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10}
+    assert Eagle3Config.from_hf(cfg).aux_layer_inputs(32) == (2, 16, 29)
+    explicit = {**cfg, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}
+    # SGLang / SpecForge convention: ids name layer outputs, i.e. inputs of id + 1.
+    assert Eagle3Config.from_hf(explicit).aux_layer_inputs(32) == (2, 16, 29)

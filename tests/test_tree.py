@@ -1,0 +1,69 @@
+"""Tree utilities, checked against trees worked out by hand."""
+
+import torch
+
+from splitspec.tree import (
+    EMPTY_TREE,
+    Tree,
+    ancestor_mask,
+    depths,
+    greedy_accept,
+    positions,
+    tree_error,
+    verify_mask,
+)
+
+# root(0) ─┬─ 1:"a"(5) ── 3:"c"(7) ── 4:"d"(8)
+#          └─ 2:"b"(6)
+TREE = Tree(tokens=[5, 6, 7, 8], parents=[0, 0, 1, 3])
+
+
+def test_depths_and_positions():
+    assert depths(TREE.parents) == [0, 1, 1, 2, 3]
+    assert positions(TREE.parents, 10).tolist() == [10, 11, 11, 12, 13]
+
+
+def test_ancestor_mask_by_hand():
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 0, 1, 0, 0],
+        [1, 1, 0, 1, 0],
+        [1, 1, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(ancestor_mask(TREE.parents), expected)
+
+
+def test_verify_mask_sees_whole_prefix():
+    mask = verify_mask(TREE.parents, prefix_len=3)
+    assert mask.shape == (5, 8)
+    assert mask[:, :3].all()
+    assert torch.equal(mask[:, 3:], ancestor_mask(TREE.parents))
+
+
+def test_greedy_accept_walks_longest_matching_path():
+    # argmax after root is 5 (node 1), after node 1 is 7 (node 3), after node 3 is 8 (node 4).
+    result = greedy_accept(TREE, [5, 7, 0, 8, 9])
+    assert result.path == [1, 3, 4]
+    assert result.tokens == [5, 7, 8, 9]
+
+
+def test_greedy_accept_picks_second_child_and_stops():
+    result = greedy_accept(TREE, [6, 0, 2, 0, 0])
+    assert result.path == [2]
+    assert result.tokens == [6, 2]
+
+
+def test_greedy_accept_rejects_all_gives_bonus_only():
+    result = greedy_accept(TREE, [42, 0, 0, 0, 0])
+    assert result.path == []
+    assert result.tokens == [42]
+    assert greedy_accept(EMPTY_TREE, [3]).tokens == [3]
+
+
+def test_tree_error_names_the_problem():
+    assert tree_error(TREE, vocab_size=10, max_nodes=8) is None
+    assert "outside the vocabulary" in tree_error(Tree([5, 10], [0, 0]), 10, 8)
+    assert "parents must precede" in tree_error(Tree([5, 6], [0, 2]), 10, 8)
+    assert "budget" in tree_error(TREE, 10, 3)
+    assert "parents" in tree_error(Tree([5, 6], [0]), 10, 8)
