@@ -1,0 +1,99 @@
+"""Every init step of every service, made to fail: the service exits non-zero within seconds,
+its report names the step and the error, and health never said SERVING."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from grpc_health.v1 import health_pb2
+
+from tests.stack import Service
+
+pytestmark = pytest.mark.slow
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+TARGET_STEPS = ["load_config", "init_distributed", "load_model", "allocate_kv_cache",
+                "init_attention_backend", "capture_cuda_graphs", "connect_draft", "warmup",
+                "start_server"]
+DRAFT_STEPS = ["load_config", "load_model", "allocate_kv_cache", "init_attention_backend",
+               "capture_cuda_graphs", "warmup", "start_server"]
+GATEWAY_STEPS = ["load_config", "load_tokenizer", "start_server", "connect_target", "open_stream",
+                 "warmup"]
+
+
+@pytest.fixture(scope="module")
+def draft(tmp_path_factory):
+    service = Service("draft_service", [], tmp_path_factory.mktemp("draft")).wait_serving()
+    yield service
+    service.stop()
+
+
+@pytest.fixture(scope="module")
+def target(draft, tmp_path_factory):
+    service = Service("target_service", ["--draft", draft.address],
+                      tmp_path_factory.mktemp("target")).wait_serving()
+    yield service
+    service.stop()
+
+
+def assert_failed_at(service: Service, step: str, report_path) -> None:
+    code, seen = service.wait_exit(timeout_s=60)
+    assert code != 0, service.log
+    assert SERVING not in seen, f"health said SERVING before {step} failed"
+    report = json.loads(report_path.read_text())
+    failed = [s for s in report["steps"] if s["state"] == "FAILED"]
+    assert [s["name"] for s in failed] == [step], report
+    assert failed[0]["error_type"] == "InjectedFault"
+    assert step in failed[0]["error_message"] and failed[0]["traceback"]
+    assert not report["ok"]
+    # Later steps never ran; earlier ones finished.
+    names = [s["name"] for s in report["steps"]]
+    after = names[names.index(step) + 1:]
+    assert all(s["state"] == "PENDING" for s in report["steps"] if s["name"] in after)
+    assert f'"name": "{step}"' in service.log  # the JSON report was printed too
+
+
+@pytest.mark.parametrize("step", DRAFT_STEPS)
+def test_draft_fault(step, tmp_path):
+    report = tmp_path / "report.json"
+    service = Service("draft_service", ["--init-report", str(report)], tmp_path,
+                      env={"SPLITSPEC_INJECT_INIT_FAULT": step})
+    assert_failed_at(service, step, report)
+
+
+@pytest.mark.parametrize("step", TARGET_STEPS)
+def test_target_fault(step, draft, tmp_path):
+    report = tmp_path / "report.json"
+    service = Service("target_service", ["--draft", draft.address, "--init-report", str(report)],
+                      tmp_path, env={"SPLITSPEC_INJECT_INIT_FAULT": step})
+    assert_failed_at(service, step, report)
+
+
+@pytest.mark.parametrize("step", GATEWAY_STEPS)
+def test_gateway_fault(step, target, tmp_path):
+    report = tmp_path / "report.json"
+    service = Service("gateway", ["--target", target.address, "--init-report", str(report)],
+                      tmp_path, env={"SPLITSPEC_INJECT_INIT_FAULT": step})
+    assert_failed_at(service, step, report)
+
+
+def test_draft_vocab_mismatch_fails_target_naming_both_sizes(tmp_path):
+    from splitspec.builtin.build import write_llama
+
+    write_llama(tmp_path / "small", {"vocab_size": 1000, "hidden_size": 32, "intermediate_size": 64,
+                                     "num_hidden_layers": 1, "num_attention_heads": 2,
+                                     "num_key_value_heads": 1, "head_dim": 16}, seed=3)
+    draft = Service("draft_service", ["--model", str(tmp_path / "small")], tmp_path).wait_serving()
+    try:
+        report = tmp_path / "report.json"
+        target = Service("target_service", ["--draft", draft.address, "--init-report", str(report)],
+                         tmp_path)
+        code, seen = target.wait_exit(timeout_s=60)
+    finally:
+        draft.stop()
+    assert code != 0 and SERVING not in seen
+    step = next(s for s in json.loads(report.read_text())["steps"] if s["state"] == "FAILED")
+    assert step["name"] == "connect_draft"
+    assert "draft vocabulary size 1000" in step["error_message"]
+    assert "target vocabulary size 2048" in step["error_message"]
