@@ -67,6 +67,7 @@ def shape_for(policy: target_pb2.SpecPolicy, batch_size: int,
 
 
 def always_speculate(shape: common_pb2.DraftShape) -> target_pb2.SpecPolicy:
+    """A policy that speculates with this shape at every batch size."""
     return target_pb2.SpecPolicy(entries=[
         target_pb2.SpecPolicy.Entry(max_batch_size=2**32 - 1, shape=shape)])
 
@@ -86,7 +87,7 @@ class Engine:
         self.draft = draft
         self.capture = capture
         self.device = device
-        self.policy = always_speculate(limits.default_shape)
+        self._policies: dict[int, target_pb2.SpecPolicy] = {}  # per stream; default: always_speculate
         self.totals = SpecCounters()
         self.last_stats = target_pb2.StepStats()
         self._inbox: queue.Queue = queue.Queue()
@@ -114,9 +115,12 @@ class Engine:
         self._inbox.put((stream_id, None))
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: int,
+                 policy: target_pb2.SpecPolicy | None = None,
                  timeout_s: float = 60.0) -> tuple[list[int], common_pb2.SpecStats]:
-        """Run one request through the live loop (used by warmup and tests)."""
+        """Run one request through the live loop, on a stream of its own (warmup and tests)."""
         stream_id, outbox = self.open_stream()
+        if policy is not None:
+            self.submit(stream_id, target_pb2.ServeRequest(policy=policy))
         self.submit(stream_id, target_pb2.ServeRequest(admit=target_pb2.Admit(
             request_id=1, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
             ignore_eos=True, speculation=mode)))
@@ -171,9 +175,9 @@ class Engine:
             if seq is not None:
                 seq.is_cancelled = True
         elif request.HasField("policy"):
-            log.info("speculation policy: %s", [(e.max_batch_size, e.shape.num_draft_tokens)
-                                                 for e in request.policy.entries])
-            self.policy = request.policy
+            log.info("stream %d speculation policy (max batch, tree size): %s", stream_id,
+                     [(e.max_batch_size, e.shape.num_draft_tokens) for e in request.policy.entries])
+            self._policies[stream_id] = request.policy
 
     def _admit(self, stream_id: int, admit: target_pb2.Admit) -> None:
         stop_ids = set(admit.stop_token_ids) | (set() if admit.ignore_eos else set(self.limits.eos_ids))
@@ -204,6 +208,7 @@ class Engine:
     def _close(self, stream_id: int) -> None:
         for seq in [s for s in self._by_request.values() if s.stream_id == stream_id]:
             self._finish(seq)
+        self._policies.pop(stream_id, None)
         stream = self._streams.pop(stream_id, None)
         if stream is not None:
             stream.outbox.put(None)
@@ -246,7 +251,10 @@ class Engine:
             return NO_SPECULATION
         if seq.speculation == common_pb2.SPECULATION_MODE_ON:
             return self.limits.default_shape
-        return shape_for(self.policy, batch_size, self.limits.default_shape)
+        policy = self._policies.get(seq.stream_id)
+        if policy is None:
+            return self.limits.default_shape
+        return shape_for(policy, batch_size, self.limits.default_shape)
 
     def _draft_trees(self, decode: list[Sequence]) -> dict[int, Tree]:
         """One draft exchange for the sequences that speculate this step; {} when none can."""

@@ -24,7 +24,7 @@ from splitspec.tokenizer import tokenizer_sha256
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.draft_client import DraftLink
-from target_service.engine import Engine, EngineLimits
+from target_service.engine import Engine, EngineLimits, always_speculate
 from target_service.scheduler import Scheduler
 from target_service.servicer import TargetServicer
 
@@ -144,21 +144,17 @@ def warmup(engine: Engine, has_draft: bool, default_shape: common_pb2.DraftShape
     plain, _ = engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS, common_pb2.SPECULATION_MODE_OFF)
     if not has_draft:
         return Detailed(None, "plain decoding ran (no draft)")
-    saved = engine.policy
     chain = common_pb2.DraftShape(num_draft_tokens=default_shape.num_steps, topk=1,
                                   num_steps=default_shape.num_steps)
     for name, shape in (("tree", default_shape), ("chain", chain)):
-        engine.policy = target_pb2.SpecPolicy(entries=[
-            target_pb2.SpecPolicy.Entry(max_batch_size=2**32 - 1, shape=shape)])
         tokens, stats = engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS,
-                                        common_pb2.SPECULATION_MODE_AUTO)
+                                        common_pb2.SPECULATION_MODE_AUTO, always_speculate(shape))
         if tokens != plain:
             raise RuntimeError(f"speculative decoding ({name}) produced {tokens}, plain decoding "
                                f"{plain}: verification is broken")
         if stats.verify_steps == 0:
             raise RuntimeError(f"warmup with a {name} never verified a draft tree "
                                f"(plain steps {stats.plain_steps}, rejected {stats.rejected_trees})")
-    engine.policy = saved
     return Detailed(None, "plain, tree and chain generations agree")
 
 
