@@ -111,7 +111,8 @@ class ServiceServer:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             interceptors=[ErrorInterceptor()],
-            options=CHANNEL_OPTIONS,
+            # Without so_reuseport=0 gRPC binds a port another server already holds.
+            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -1,0 +1,82 @@
+"""The gateway's domain object: validate, admit, run; and the live status.
+
+Built only from finished start-up results (config, tokenizer, an open
+TargetClient, the init report), so every attribute is usable from the start.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+from gateway.admission import Admission
+from gateway.config import GatewayConfig
+from gateway.generation import RequestRun
+from gateway.target_client import TargetClient
+from gateway.validation import Limits, validate
+from splitspec.init_report import InitReport
+from splitspec.tokenizer import ModelTokenizer
+from splitspec.v1 import gateway_pb2, target_pb2
+
+log = logging.getLogger(__name__)
+
+# gRPC worker threads beyond one per running and queued request (status, health, spare).
+EXTRA_WORKERS = 8
+# When --max-running is 0 the server is sized before the target's max_running is
+# known; the gateway then runs at most this many requests at once.
+MAX_RUNNING_WHEN_UNSET = 1024
+
+
+def num_server_workers(config: GatewayConfig) -> int:
+    """Handler threads: every running and queued request holds one for its whole life."""
+    return (config.max_running or MAX_RUNNING_WHEN_UNSET) + config.max_queued + EXTRA_WORKERS
+
+
+def resolve_max_running(config: GatewayConfig, info: target_pb2.TargetInfo) -> int:
+    """--max-running, or the target's max_running (at least 1, at most the thread budget)."""
+    if config.max_running:
+        return config.max_running
+    return max(1, min(info.max_running, MAX_RUNNING_WHEN_UNSET))
+
+
+class GatewayCore:
+    """Starts requests and reports status. Thread-safe."""
+
+    def __init__(self, config: GatewayConfig, tokenizer: ModelTokenizer, target: TargetClient,
+                 report: InitReport) -> None:
+        info = target.peer.info
+        self.limits = Limits(vocab_size=info.vocab_size, max_context=info.max_context,
+                             default_max_new_tokens=config.default_max_new_tokens)
+        self.admission = Admission(resolve_max_running(config, info), config.max_queued)
+        self._tokenizer = tokenizer
+        self._target = target
+        self._report = report
+        self._request_ids = itertools.count(1)  # next() is atomic under the GIL
+
+    def start(self, request: gateway_pb2.GenerateRequest) -> RequestRun:
+        """Validate and enqueue; the returned run is iterated for the chunks.
+
+        Raises ServiceError INVALID_ARGUMENT (bad request) or RESOURCE_EXHAUSTED (full).
+        """
+        arrival_s = time.monotonic()
+        generation = validate(request, self.limits, self._tokenizer)
+        ticket = self.admission.enqueue()
+        return RequestRun(next(self._request_ids), generation, arrival_s, ticket,
+                          self.admission, self._target, self._tokenizer)
+
+    def status(self) -> gateway_pb2.StatusResponse:
+        peer = self._target.peer
+        last_step = self._target.last_step
+        return gateway_pb2.StatusResponse(
+            gateway=self._report.to_pb(),
+            target=peer.init_report,
+            draft=peer.info.draft_report,
+            running=self.admission.num_running,
+            queued=self.admission.num_queued,
+            speculating=last_step.speculated,
+            spec=self._target.spec_totals.to_pb(),
+            policy=self._target.policy,
+            last_step=last_step,
+            model_name=peer.info.model_name,
+        )

@@ -1,0 +1,233 @@
+"""The gateway as a gRPC service in this process, in front of an in-process fake target:
+start-up steps, generation, stop strings, cancellation, admission, stream loss."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.app import RunningGateway, start_gateway
+from splitspec.builtin import BUILTIN_TARGET
+from splitspec.init_report import InitFailed, StepState
+from splitspec.tokenizer import load_tokenizer
+from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.fake_target import FakeTarget, serve_fake_target
+
+pytestmark = pytest.mark.skipif(not (BUILTIN_TARGET / "tokenizer.json").is_file(),
+                                reason="needs the built-in tokenizer")
+
+SCRIPT = "Hello world! héllo 世界 🙂 STOP here, then more text follows."
+STEPS = ["load_config", "load_tokenizer", "start_server", "connect_target", "open_stream", "warmup"]
+
+
+@pytest.fixture
+def fake() -> Iterator[tuple[FakeTarget, int]]:
+    tokenizer = load_tokenizer(BUILTIN_TARGET)
+    target = FakeTarget(BUILTIN_TARGET, tokenizer.encode(SCRIPT))
+    server = serve_fake_target(target)
+    yield target, server.port
+    server.stop(0)
+
+
+def _start(port: int, *flags: str) -> RunningGateway:
+    return start_gateway(["--port", "0", "--target", f"127.0.0.1:{port}",
+                          "--model", str(BUILTIN_TARGET), "--connect-timeout-s", "10", *flags])
+
+
+@pytest.fixture
+def gateway(fake: tuple[FakeTarget, int]) -> Iterator[RunningGateway]:
+    running = _start(fake[1], "--max-running", "2", "--max-queued", "1")
+    yield running
+    running.stop()
+
+
+def _stub(gateway: RunningGateway) -> gateway_pb2_grpc.GatewayStub:
+    return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(f"127.0.0.1:{gateway.port}"))
+
+
+def _health(gateway: RunningGateway) -> int:
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(f"127.0.0.1:{gateway.port}"))
+    return stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def _request(max_new_tokens: int = 8, **kwargs: object) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        text="Say hello", stopping=gateway_pb2.StoppingParams(max_new_tokens=max_new_tokens),
+        **kwargs)
+
+
+def _wait_until(condition: object, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def test_startup_report_policy_and_health(gateway: RunningGateway,
+                                          fake: tuple[FakeTarget, int]) -> None:
+    target, _ = fake
+    assert [s.name for s in gateway.report.steps] == STEPS
+    assert all(s.state is StepState.OK for s in gateway.report.steps)
+    assert _health(gateway) == health_pb2.HealthCheckResponse.SERVING
+    assert len(target.policies) == 1 and target.policies[0].entries[0].max_batch_size == 2**32 - 1
+    modes = [a.speculation for a in target.admits[:2]]
+    assert modes == [common_pb2.SPECULATION_MODE_OFF, common_pb2.SPECULATION_MODE_ON]
+    status = _stub(gateway).GetStatus(gateway_pb2.GetStatusRequest())
+    assert status.gateway.ok and status.target.service == "target" and status.draft.service == "draft"
+    assert status.model_name == "fake" and status.spec.verify_steps >= 4
+    assert status.policy == target.policies[0]
+
+
+def test_generate_and_stream_agree(gateway: RunningGateway) -> None:
+    tokenizer = load_tokenizer(BUILTIN_TARGET)
+    n = len(tokenizer.encode(SCRIPT))
+    stub = _stub(gateway)
+    whole = stub.Generate(_request(n, include_token_ids=True))
+    assert whole.text == SCRIPT
+    assert whole.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert whole.usage.completion_tokens == n == len(whole.token_ids)
+    assert whole.usage.prompt_tokens == len(tokenizer.encode("Say hello"))
+    assert whole.spec.verify_steps == 2 and whole.timings.total_s >= whole.timings.time_to_first_token_s
+    chunks = list(stub.GenerateStream(_request(n, include_token_ids=True)))
+    assert "".join(c.text for c in chunks) == SCRIPT
+    assert [i for c in chunks for i in c.token_ids] == list(whole.token_ids)
+    assert all("\ufffd" not in c.text for c in chunks)
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert all(c.finish_reason == 0 for c in chunks[:-1])
+
+
+def test_stop_string_truncates_and_cancels(gateway: RunningGateway,
+                                           fake: tuple[FakeTarget, int]) -> None:
+    stub = _stub(gateway)
+    request = _request(100)
+    request.stopping.stop.append("STOP")
+    chunks = list(stub.GenerateStream(request))
+    assert "".join(c.text for c in chunks) == SCRIPT[:SCRIPT.index("STOP")]
+    final = chunks[-1]
+    assert final.finish_reason == common_pb2.FINISH_REASON_STOP
+    assert 0 < final.usage.completion_tokens < 100
+    target, _ = fake
+    _wait_until(lambda: target.admits[-1].request_id in target.cancels)
+    _wait_until(lambda: gateway.core.admission.num_running == 0)
+
+
+def test_invalid_request_keeps_gateway_healthy(gateway: RunningGateway) -> None:
+    stub = _stub(gateway)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(_request(sampling=common_pb2.SamplingParams(temperature=0.5)))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "sampling is not supported yet" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.GenerateStream(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(
+            ids=[1, 999999]))))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "999999" in info.value.details()
+    assert _health(gateway) == health_pb2.HealthCheckResponse.SERVING
+    assert stub.Generate(_request(2)).usage.completion_tokens == 2
+
+
+def test_full_gateway_is_resource_exhausted(gateway: RunningGateway,
+                                            fake: tuple[FakeTarget, int]) -> None:
+    target, _ = fake
+    target.is_paused.set()
+    stub = _stub(gateway)
+    calls = [stub.GenerateStream(_request(4)) for _ in range(3)]
+    _wait_until(lambda: gateway.core.admission.num_queued == 1)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Generate(_request(4))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-running 2" in info.value.details()
+    target.is_paused.clear()
+    for call in calls:
+        assert list(call)[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert gateway.core.admission.num_running == 0
+
+
+def test_client_cancel_reaches_target_and_frees_slot(gateway: RunningGateway,
+                                                     fake: tuple[FakeTarget, int]) -> None:
+    target, _ = fake
+    target.step_s = 0.02
+    stub = _stub(gateway)
+    call = stub.GenerateStream(_request(200))
+    next(call)
+    num_admits = len(target.admits)
+    call.cancel()
+    _wait_until(lambda: target.admits[num_admits - 1].request_id in target.cancels)
+    _wait_until(lambda: gateway.core.admission.num_running == 0)
+
+
+def test_queued_cancel_leaves_queue(gateway: RunningGateway, fake: tuple[FakeTarget, int]) -> None:
+    target, _ = fake
+    target.is_paused.set()
+    stub = _stub(gateway)
+    running = [stub.GenerateStream(_request(4)) for _ in range(2)]
+    _wait_until(lambda: gateway.core.admission.num_running == 2)
+    queued = stub.GenerateStream(_request(4))
+    _wait_until(lambda: gateway.core.admission.num_queued == 1)
+    queued.cancel()
+    _wait_until(lambda: gateway.core.admission.num_queued == 0)
+    target.is_paused.clear()
+    for call in running:
+        list(call)
+
+
+def test_stream_loss_fails_inflight_and_reconnects(gateway: RunningGateway,
+                                                   fake: tuple[FakeTarget, int]) -> None:
+    target, _ = fake
+    target.step_s = 0.02
+    stub = _stub(gateway)
+    call = stub.GenerateStream(_request(200))
+    next(call)
+    target.break_streams()
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "lost the target stream" in info.value.details()
+    _wait_until(lambda: target.num_streams == 2 and gateway.target.is_connected)
+    _wait_until(lambda: _health(gateway) == health_pb2.HealthCheckResponse.SERVING)
+    _wait_until(lambda: len(target.policies) == 2)
+    assert gateway.core.admission.num_running == 0
+    target.step_s = 0.002
+    assert stub.Generate(_request(3)).finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_injected_fault_fails_each_step(step: str, fake: tuple[FakeTarget, int],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPLITSPEC_INJECT_INIT_FAULT", step)
+    with pytest.raises(InitFailed) as info:
+        _start(fake[1])
+    assert info.value.report.failed_step.name == step
+    assert not info.value.report.ok
+
+
+def test_tokenizer_mismatch_says_what_to_change(fake: tuple[FakeTarget, int],
+                                                tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_bytes(
+        (BUILTIN_TARGET / "tokenizer.json").read_bytes() + b"\n")
+    with pytest.raises(InitFailed) as info:
+        start_gateway(["--port", "0", "--target", f"127.0.0.1:{fake[1]}", "--model", str(tmp_path)])
+    failed = info.value.report.failed_step
+    assert failed.name == "connect_target" and "pass --model <target checkpoint>" in failed.error_message
+
+
+def test_taken_port_fails_start_server(gateway: RunningGateway, fake: tuple[FakeTarget, int]) -> None:
+    with pytest.raises(InitFailed) as info:
+        start_gateway(["--port", str(gateway.port), "--target", f"127.0.0.1:{fake[1]}",
+                       "--model", str(BUILTIN_TARGET)])
+    assert info.value.report.failed_step.name == "start_server"
+
+
+def test_threshold_policy(fake: tuple[FakeTarget, int]) -> None:
+    target, port = fake
+    running = _start(port, "--spec-disable-batch-threshold", "4", "--topk", "2")
+    try:
+        entry = target.policies[-1].entries[0]
+        assert entry.max_batch_size == 4
+        assert (entry.shape.num_draft_tokens, entry.shape.topk, entry.shape.num_steps) == (4, 2, 4)
+    finally:
+        running.stop()
