@@ -119,7 +119,7 @@ def connect(config: GatewayConfig, tokenizer: ModelTokenizer) -> Detailed:
     peer = connect_target(config.target, config.connect_timeout_s, tokenizer)
     info = peer.info
     draft = f"draft {info.draft_model_name or 'yes'}" if info.has_draft else "no draft"
-    return Detailed(peer, f"{info.model_name} at {config.target}: vocab {info.vocab_size}, "
+    return Detailed(peer, f"{info.model_name or '(unnamed)'} at {config.target}: vocab {info.vocab_size}, "
                           f"max_context {info.max_context}, max_running {info.max_running}, "
                           f"tp {info.tp_size}, {draft}")
 

@@ -231,3 +231,17 @@ def test_threshold_policy(fake: tuple[FakeTarget, int]) -> None:
         assert (entry.shape.num_draft_tokens, entry.shape.topk, entry.shape.num_steps) == (4, 2, 4)
     finally:
         running.stop()
+
+
+def test_cli_generate_and_status(gateway: RunningGateway, capsys: pytest.CaptureFixture[str]) -> None:
+    from splitspec.cli import main
+
+    address = f"127.0.0.1:{gateway.port}"
+    assert main(["generate", "hi", "--address", address, "--max-new-tokens", "40",
+                 "--stop", "STOP"]) == 0
+    out, err = capsys.readouterr()
+    assert out == SCRIPT[:SCRIPT.index("STOP")] + "\n"
+    assert "finish: STOP" in err and "speculation:" in err
+    assert main(["status", "--address", address]) == 0
+    out, _ = capsys.readouterr()
+    assert "model: fake" in out and "connect_target" in out and "load_model" in out

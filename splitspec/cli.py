@@ -1,0 +1,389 @@
+"""The ``splitspec`` command: ``up`` (the stack as local processes), ``generate``, ``status``.
+
+    splitspec up                         # draft, target and gateway on the built-in models
+    splitspec up --generate "Once upon"  # start, stream one completion, stop
+    splitspec generate "Once upon a time" --max-new-tokens 32 --stop "."
+    splitspec status
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import TextIO
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.policy import describe_policy
+from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_EAGLE3, BUILTIN_TARGET
+from splitspec.grpc_server import CHANNEL_OPTIONS
+from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+SPECULATION_MODES = {
+    "auto": common_pb2.SPECULATION_MODE_AUTO,
+    "on": common_pb2.SPECULATION_MODE_ON,
+    "off": common_pb2.SPECULATION_MODE_OFF,
+}
+DRAFT_KINDS = ("eagle3", "standalone", "none")
+STOP_GRACE_S = 5.0
+
+
+# --- generate ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    text: str
+    max_new_tokens: int | None
+    speculation: str
+    stop: tuple[str, ...]
+
+    def to_pb(self) -> gateway_pb2.GenerateRequest:
+        request = gateway_pb2.GenerateRequest(text=self.text,
+                                              speculation=SPECULATION_MODES[self.speculation])
+        if self.max_new_tokens is not None:
+            request.stopping.max_new_tokens = self.max_new_tokens
+        request.stopping.stop.extend(self.stop)
+        return request
+
+
+def format_final(final: gateway_pb2.GenerateResponse) -> str:
+    """The finish reason, usage, timings and speculation figures of a last message."""
+    usage, timings, spec = final.usage, final.timings, final.spec
+    decode_s = timings.total_s - timings.time_to_first_token_s
+    rate = (usage.completion_tokens - 1) / decode_s if decode_s > 0 and usage.completion_tokens > 1 else 0
+    reason = common_pb2.FinishReason.Name(final.finish_reason).removeprefix("FINISH_REASON_")
+    return "\n".join([
+        f"finish: {reason}   prompt {usage.prompt_tokens} tokens, "
+        f"completion {usage.completion_tokens} tokens",
+        f"timings: queue {timings.queue_s:.3f}s, first token {timings.time_to_first_token_s:.3f}s, "
+        f"total {timings.total_s:.3f}s ({rate:.1f} tokens/s after the first)",
+        f"speculation: {spec.verify_steps} verify steps, {spec.drafted_tokens} drafted, "
+        f"{spec.accepted_tokens} accepted, mean accepted length {spec.mean_accepted_length:.2f}, "
+        f"{spec.plain_steps} plain steps",
+    ])
+
+
+def stream_completion(address: str, request: CompletionRequest, out: TextIO | None = None,
+                      err: TextIO | None = None) -> int:
+    """Stream one completion to ``out`` (stdout) and its statistics to ``err`` (stderr);
+    return an exit code."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+        final = None
+        try:
+            for response in stub.GenerateStream(request.to_pb()):
+                out.write(response.text)
+                out.flush()
+                if response.finish_reason:
+                    final = response
+        except grpc.RpcError as exc:  # the command's result: printed, exit code 1
+            print(f"\nsplitspec: {exc.code().name}: {exc.details()}", file=err)
+            return 1
+    out.write("\n")
+    if final is None:
+        print("splitspec: the stream ended without a final message", file=err)
+        return 1
+    print(f"--- {format_final(final)}", file=err)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    request = CompletionRequest(args.text, args.max_new_tokens, args.speculation, tuple(args.stop))
+    return stream_completion(args.address, request)
+
+
+# --- status --------------------------------------------------------------------------------
+
+def format_report(report: common_pb2.InitReport, title: str) -> list[str]:
+    """An init report as a table of step / state / duration / detail (ranks indented)."""
+    if not report.service:
+        return [f"{title}: no report"]
+    state = "ok" if report.ok else "FAILED"
+    lines = [f"{title} ({report.service} rank {report.rank}): {state}",
+             f"  {'step':<24} {'state':<8} {'duration':>9}  detail"]
+    for step in report.steps:
+        name = common_pb2.StepState.Name(step.state).removeprefix("STEP_STATE_")
+        detail = step.detail or (f"{step.error_type}: {step.error_message}" if step.error_type else "")
+        lines.append(f"  {step.name:<24} {name:<8} {step.duration_s:>8.2f}s  {detail}")
+    for rank in report.ranks:
+        lines.extend("  " + line for line in format_report(rank, f"rank {rank.rank}"))
+    return lines
+
+
+def format_status(status: gateway_pb2.StatusResponse) -> str:
+    step, spec = status.last_step, status.spec
+    lines = [
+        f"model: {status.model_name or '-'}   running: {status.running}   queued: {status.queued}"
+        f"   speculating: {'yes' if status.speculating else 'no'}",
+        f"policy: {describe_policy(status.policy)}",
+        f"speculation since start: {spec.verify_steps} verify steps, {spec.drafted_tokens} drafted, "
+        f"{spec.accepted_tokens} accepted, mean accepted length {spec.mean_accepted_length:.2f}, "
+        f"{spec.plain_steps} plain steps, {spec.rejected_trees} rejected trees",
+        f"last step: #{step.step} batch {step.batch_size}, prefill {step.prefill_tokens} tokens, "
+        f"drafted {step.drafted_tokens}, accepted {step.accepted_tokens}, draft "
+        f"{step.draft_s * 1e3:.1f}ms, forward {step.forward_s * 1e3:.1f}ms, total "
+        f"{step.total_s * 1e3:.1f}ms, waiting {step.waiting}",
+        "",
+    ]
+    for report, title in ((status.gateway, "gateway"), (status.target, "target"),
+                          (status.draft, "draft")):
+        lines.extend(format_report(report, title))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with grpc.insecure_channel(args.address, options=CHANNEL_OPTIONS) as channel:
+        try:
+            status = gateway_pb2_grpc.GatewayStub(channel).GetStatus(
+                gateway_pb2.GetStatusRequest(), timeout=args.timeout_s)
+        except grpc.RpcError as exc:  # the command's result: printed, exit code 1
+            print(f"splitspec: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print(format_status(status))
+    return 0
+
+
+# --- up ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """One service to run: its name and its command line."""
+
+    name: str
+    argv: tuple[str, ...]
+
+
+def stack_specs(args: argparse.Namespace) -> list[ChildSpec]:
+    """The services of ``splitspec up``, in start order (draft, target, gateway)."""
+    python = sys.executable
+    specs = []
+    target_argv = [python, "-m", "target_service", "--port", str(args.target_port)]
+    if args.draft_kind != "none":
+        default_draft = BUILTIN_EAGLE3 if args.draft_kind == "eagle3" else BUILTIN_DRAFT
+        draft_model = args.draft_model or default_draft
+        draft_argv = [python, "-m", "draft_service", "--port", str(args.draft_port)]
+        if args.draft_model or args.draft_kind != "eagle3":
+            draft_argv += ["--model", str(draft_model)]
+        specs.append(ChildSpec("draft", tuple(draft_argv)))
+        target_argv += ["--draft", f"localhost:{args.draft_port}"]
+    gateway_argv = [python, "-m", "gateway", "--port", str(args.gateway_port),
+                    "--target", f"localhost:{args.target_port}"]
+    if args.target_model:
+        target_argv += ["--model", str(args.target_model)]
+        gateway_argv += ["--model", str(args.target_model)]
+    specs.append(ChildSpec("target", tuple(target_argv)))
+    specs.append(ChildSpec("gateway", tuple(gateway_argv)))
+    return specs
+
+
+class StopRequested(Exception):
+    """SIGTERM (or SIGINT) asked ``splitspec up`` to stop the stack."""
+
+
+class ServiceDied(Exception):
+    """A child service exited while the stack should be running."""
+
+    def __init__(self, name: str, returncode: int) -> None:
+        super().__init__(f"the {name} service exited with code {returncode}; its init report "
+                         f"and error are in its output above")
+        self.name = name
+
+
+class Child:
+    """A running service process whose output is copied, prefixed with its name, to stderr."""
+
+    _print_lock = threading.Lock()
+
+    def __init__(self, spec: ChildSpec) -> None:
+        self.name = spec.name
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Its own process group: Ctrl-C reaches only `splitspec up`, which stops children in order.
+        self.proc = subprocess.Popen(spec.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, errors="replace", env=env, process_group=0)
+        self._pump = threading.Thread(target=self._copy_output, name=f"{self.name}-output",
+                                      daemon=True)
+        self._pump.start()
+
+    def _copy_output(self) -> None:
+        assert self.proc.stdout is not None, "started with stdout=PIPE"
+        for line in self.proc.stdout:
+            with self._print_lock:
+                sys.stderr.write(f"{self.name:>7} | {line}")
+                sys.stderr.flush()
+
+    def check_alive(self) -> None:
+        """Raise ServiceDied when the process has exited."""
+        if self.proc.poll() is not None:
+            self._pump.join(timeout=2.0)
+            raise ServiceDied(self.name, self.proc.returncode)
+
+    def terminate(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+
+    def wait_or_kill(self, deadline: float) -> None:
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # did not stop on SIGTERM: killed
+            print(f"splitspec up: {self.name} ignored SIGTERM; killing it", file=sys.stderr)
+            self.proc.kill()
+            self.proc.wait()
+        self._pump.join(timeout=2.0)
+
+
+def stop_all(children: Sequence[Child]) -> None:
+    """SIGTERM every child (gateway first), wait, then SIGKILL what is left."""
+    for child in reversed(children):
+        child.terminate()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for child in reversed(children):
+        child.wait_or_kill(deadline)
+
+
+def wait_until_serving(address: str, children: Sequence[Child], timeout_s: float) -> None:
+    """Poll the gateway's health until SERVING; raise ServiceDied or TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            for child in children:
+                child.check_alive()
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0).status
+            except grpc.RpcError:  # not listening yet: poll again
+                status = health_pb2.HealthCheckResponse.UNKNOWN
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway at {address} was not SERVING within {timeout_s:.0f}s")
+            time.sleep(0.2)
+
+
+def watch(children: Sequence[Child]) -> None:
+    """Return only by raising: ServiceDied when a child exits (or StopRequested by signal)."""
+    while True:
+        for child in children:
+            child.check_alive()
+        time.sleep(0.2)
+
+
+def _raise_stop(signum: int, frame: FrameType | None) -> None:
+    raise StopRequested(signal.Signals(signum).name)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    children: list[Child] = []
+    gateway_address = f"localhost:{args.gateway_port}"
+    try:
+        for spec in stack_specs(args):
+            print(f"splitspec up: starting {spec.name}: {' '.join(spec.argv)}", file=sys.stderr)
+            children.append(Child(spec))
+        wait_until_serving(gateway_address, children, args.startup_timeout_s)
+        print(f"splitspec up: SERVING at {gateway_address}", file=sys.stderr)
+        if args.generate is not None:
+            request = CompletionRequest(args.generate, args.max_new_tokens, args.speculation, ())
+            return stream_completion(gateway_address, request)
+        watch(children)
+    except StopRequested as exc:  # the way out of `up`: stop the stack cleanly
+        print(f"splitspec up: {exc}: stopping the stack", file=sys.stderr)
+        return 0
+    except (ServiceDied, TimeoutError) as exc:  # the command's failure: printed, exit code 1
+        print(f"splitspec up: {exc}; stopping the others", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stop_all(children)
+    return 0
+
+
+# --- parser --------------------------------------------------------------------------------
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None ones (their help says what happens)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = _Formatter
+    parser = argparse.ArgumentParser(prog="splitspec", formatter_class=formatter,
+                                     description="SplitSpec: speculative decoding as gateway, "
+                                                 "target and draft gRPC services.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    up = commands.add_parser("up", formatter_class=formatter,
+                             help="run draft, target and gateway as local processes",
+                             description="Start the three services, print their output prefixed "
+                                         "with their names (on stderr) and wait until the gateway "
+                                         "is SERVING; Ctrl-C or SIGTERM stops them all.")
+    up.add_argument("--gateway-port", type=int, default=50051, help="gateway port (client-facing)")
+    up.add_argument("--target-port", type=int, default=50052, help="target service port")
+    up.add_argument("--draft-port", type=int, default=50053, help="draft service port")
+    up.add_argument("--draft-kind", choices=DRAFT_KINDS, default="eagle3",
+                    help="eagle3: the built-in EAGLE-3 head; standalone: the built-in small LM; "
+                         "none: no draft service, no speculation")
+    up.add_argument("--target-model", type=Path, default=None,
+                    help=f"target checkpoint folder, also the gateway's tokenizer "
+                         f"(default: {BUILTIN_TARGET})")
+    up.add_argument("--draft-model", type=Path, default=None,
+                    help="draft checkpoint folder (default: the built-in one of --draft-kind)")
+    up.add_argument("--startup-timeout-s", type=float, default=600.0,
+                    help="give up when the gateway is not SERVING after this long")
+    up.add_argument("--generate", metavar="TEXT", default=None,
+                    help="once SERVING, stream one completion of TEXT, print its statistics, "
+                         "then stop the stack")
+    up.add_argument("--max-new-tokens", type=int, default=64, help="length limit for --generate")
+    up.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
+                    help="speculation mode for --generate")
+    up.set_defaults(func=cmd_up)
+
+    gen = commands.add_parser("generate", formatter_class=formatter,
+                              help="stream one completion from a running gateway",
+                              description="Stream the completion to stdout as it arrives; the "
+                                          "finish reason, usage, timings and speculation "
+                                          "statistics follow on stderr.")
+    gen.add_argument("text", help="the prompt")
+    gen.add_argument("--address", default="localhost:50051", help="gateway address")
+    gen.add_argument("--max-new-tokens", type=int, default=None,
+                     help="length limit (default: the gateway's --default-max-new-tokens)")
+    gen.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
+                     help="auto: the gateway's policy; on: always; off: never")
+    gen.add_argument("--stop", action="append", default=[], metavar="S",
+                     help="stop string (repeat for several); not included in the output")
+    gen.set_defaults(func=cmd_generate)
+
+    status = commands.add_parser("status", formatter_class=formatter,
+                                 help="print the stack's init reports and live figures",
+                                 description="Print GetStatus of a running gateway: the init "
+                                             "reports of gateway, target and draft as tables, "
+                                             "and the live figures.")
+    status.add_argument("--address", default="localhost:50051", help="gateway address")
+    status.add_argument("--timeout-s", type=float, default=10.0, help="RPC deadline")
+    status.set_defaults(func=cmd_status)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

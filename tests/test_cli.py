@@ -1,0 +1,84 @@
+"""The splitspec command: parser, the stack's command lines, output formatting."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from splitspec.builtin import BUILTIN_DRAFT
+from splitspec.cli import build_parser, format_final, format_report, stack_specs
+from splitspec.init_report import InitReport, StepRecord, StepState
+from splitspec.v1 import common_pb2, gateway_pb2
+
+
+def _specs(*flags: str) -> dict[str, list[str]]:
+    args = build_parser().parse_args(["up", *flags])
+    return {spec.name: list(spec.argv[1:]) for spec in stack_specs(args)}
+
+
+def test_up_default_is_eagle3_on_default_ports() -> None:
+    specs = _specs()
+    assert list(specs) == ["draft", "target", "gateway"]
+    assert specs["draft"] == ["-m", "draft_service", "--port", "50053"]
+    assert specs["target"] == ["-m", "target_service", "--port", "50052", "--draft", "localhost:50053"]
+    assert specs["gateway"] == ["-m", "gateway", "--port", "50051", "--target", "localhost:50052"]
+
+
+def test_up_standalone_and_ports() -> None:
+    specs = _specs("--draft-kind", "standalone", "--draft-port", "7003", "--target-port", "7002",
+                   "--gateway-port", "7001")
+    assert specs["draft"] == ["-m", "draft_service", "--port", "7003", "--model", str(BUILTIN_DRAFT)]
+    assert specs["target"][-2:] == ["--draft", "localhost:7003"]
+    assert specs["gateway"] == ["-m", "gateway", "--port", "7001", "--target", "localhost:7002"]
+
+
+def test_up_no_draft_and_model_overrides(tmp_path: Path) -> None:
+    specs = _specs("--draft-kind", "none", "--target-model", str(tmp_path))
+    assert list(specs) == ["target", "gateway"]
+    assert "--draft" not in specs["target"]
+    assert specs["target"][-2:] == ["--model", str(tmp_path)]
+    assert specs["gateway"][-2:] == ["--model", str(tmp_path)]
+
+
+def test_up_uses_this_python() -> None:
+    args = build_parser().parse_args(["up"])
+    assert all(spec.argv[0] == sys.executable for spec in stack_specs(args))
+
+
+@pytest.mark.parametrize("command", [[], ["up"], ["generate"], ["status"]])
+def test_help_everywhere(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args([*command, "--help"])
+    assert info.value.code == 0
+    assert "usage: splitspec" in capsys.readouterr().out
+
+
+def test_generate_flags() -> None:
+    args = build_parser().parse_args(["generate", "hi", "--stop", "a", "--stop", "b",
+                                      "--speculation", "off", "--max-new-tokens", "5"])
+    assert (args.text, args.stop, args.speculation, args.max_new_tokens) == ("hi", ["a", "b"], "off", 5)
+
+
+def test_format_final() -> None:
+    final = gateway_pb2.GenerateResponse(
+        finish_reason=common_pb2.FINISH_REASON_STOP,
+        usage=gateway_pb2.Usage(prompt_tokens=3, completion_tokens=11),
+        timings=gateway_pb2.Timings(queue_s=0.01, time_to_first_token_s=0.1, total_s=1.1),
+        spec=common_pb2.SpecStats(verify_steps=4, drafted_tokens=16, accepted_tokens=6,
+                                  mean_accepted_length=1.5))
+    text = format_final(final)
+    assert "finish: STOP" in text and "completion 11 tokens" in text
+    assert "10.0 tokens/s" in text and "mean accepted length 1.50" in text and "4 verify steps" in text
+
+
+def test_format_report_table() -> None:
+    report = InitReport(service="gateway", steps=[
+        StepRecord("load_config", StepState.OK, 0.01, "fine"),
+        StepRecord("warmup", StepState.FAILED, 1.5, error_type="RuntimeError", error_message="boom")])
+    lines = format_report(report.to_pb(), "gateway")
+    assert "FAILED" in lines[0]
+    assert "load_config" in lines[2] and "OK" in lines[2] and "fine" in lines[2]
+    assert "RuntimeError: boom" in lines[3]
+    assert format_report(common_pb2.InitReport(), "draft") == ["draft: no report"]
