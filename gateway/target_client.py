@@ -273,9 +273,20 @@ class TargetClient:
                 peer.channel.close()
                 return
             old_channel = self._peer.channel
+            _warn_if_limits_changed(self._peer.info, peer.info)
             self._peer = peer
             self._stream = self._open(peer)
             self._stream.start_reading()
         old_channel.close()
         log.info("reconnected to the target at %s (%s)", peer.address, peer.info.model_name)
         self._listener.target_up()
+
+
+def _warn_if_limits_changed(old: target_pb2.TargetInfo, new: target_pb2.TargetInfo) -> None:
+    """Requests are validated against the limits seen at start-up; say so when the target's differ."""
+    fields = ("vocab_size", "max_context", "max_running")
+    changed = [f"{f} {getattr(old, f)} -> {getattr(new, f)}" for f in fields
+               if getattr(old, f) != getattr(new, f)]
+    if changed:
+        log.warning("the reconnected target has other limits (%s); the gateway keeps validating "
+                    "against the start-up ones: restart the gateway", ", ".join(changed))

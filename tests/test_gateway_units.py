@@ -191,6 +191,12 @@ def test_text_stream_without_stop_is_full_decode(tokenizer: ModelTokenizer) -> N
     assert stream.num_tokens == len(ids)
 
 
+def test_text_stream_finish_releases_held_text(small_tokenizer: ModelTokenizer) -> None:
+    stream = TextStream(small_tokenizer, (), ["world!"])
+    assert stream.push(small_tokenizer.encode("hello world")).text == "hello "
+    assert stream.finish() == "world" and not stream.is_stopped
+
+
 def test_text_stream_stop_across_multibyte(small_tokenizer: ModelTokenizer) -> None:
     ids = small_tokenizer.encode("ok 世界 done")
     stream = TextStream(small_tokenizer, (), ["界"])
