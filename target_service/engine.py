@@ -231,6 +231,7 @@ class Engine:
         prefill = self.scheduler.prefill_batch(self.limits.max_prefill_tokens)
         decode = self.scheduler.decode_batch()
         if not prefill and not decode:
+            self._flush()  # cancellations still answer
             return
         draft_start = time.perf_counter()
         trees = self._draft_trees(decode)
