@@ -1,0 +1,1 @@
+"""The draft service: the small model; catches up on committed tokens and drafts token trees."""

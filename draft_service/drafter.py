@@ -1,0 +1,444 @@
+"""The draft's model-side logic: per-sequence draft KV state, catch-up, EAGLE-2 tree drafting.
+
+State. Each Exchange stream owns a :class:`Session`: its sequences' page tables
+in the one process-wide KV cache, how many committed tokens each holds, and
+the *state* of each sequence's last committed entry (see models.py for entries
+and states), from which the next tree starts. :meth:`Drafter.draft` serves one
+request:
+
+1. ``release_ids`` are freed.
+2. Catch-up: for every sequence, what the draft holds from ``start`` on is
+   dropped and the new tokens' entries are appended, all sequences in ONE
+   forward pass (causal, over each sequence's page table).
+3. Trees: for the sequences that ask for one, EAGLE-2 drafting batched over
+   the sequences (see :meth:`Drafter._grow`), one forward per tree level.
+
+A problem with one sequence (unknown, bad features, over the context, out of
+pages) becomes that sequence's ``error`` and the draft forgets the sequence
+(the target resends it from 0); the other sequences are served as usual.
+Nothing here knows about protobuf.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from draft_service.models import DraftModel, EntrySpan
+from splitspec.attention.base import AttentionBackend, SeqAttention
+from splitspec.kv_cache import KVCache, OutOfPages, PagePool, PageTable
+from splitspec.model.layers import AttentionContext
+from splitspec.model.loader import DTYPES
+from splitspec.tree import EMPTY_TREE, Tree
+
+log = logging.getLogger(__name__)
+
+ROOT = -1  # parent of a depth-1 candidate
+
+
+class SeqError(Exception):
+    """This sequence cannot be served; the message goes into its tree's ``error``."""
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    num_draft_tokens: int  # nodes wanted, root excluded; 0 = catch up only
+    topk: int              # branching per level (1 = chain)
+    num_steps: int         # depth
+
+
+@dataclass(frozen=True)
+class SeqInput:
+    """One sequence of a request (the fields of draft.proto's SeqDraftInput)."""
+
+    seq_id: int
+    start: int                  # position of new_tokens[0]
+    new_tokens: list[int]
+    shape: TreeShape
+    hidden_states: bytes = b""  # EAGLE-3: row-major [rows, hidden_dim] target features
+    hidden_dim: int = 0
+    dtype: str = ""
+
+
+class SeqResult(NamedTuple):
+    seq_id: int
+    tree: Tree
+    error: str  # "" when served
+
+
+@dataclass(frozen=True)
+class DrafterLimits:
+    max_running: int     # sequences held over all sessions
+    max_context: int     # committed tokens per sequence
+    max_tree_nodes: int  # cap on num_draft_tokens
+
+
+@dataclass
+class SeqState:
+    table: PageTable                       # logical slot i holds entry i
+    num_tokens: int = 0                    # committed tokens seen
+    last_state: torch.Tensor | None = None  # [X] state of the last entry; None = nothing to draft from
+
+    @property
+    def num_entries(self) -> int:
+        return self.table.num_slots
+
+
+@dataclass
+class Session:
+    """The sequences of one Exchange stream; freed by :meth:`Drafter.close_session`."""
+
+    seqs: dict[int, SeqState] = field(default_factory=dict)
+
+
+class _Extend(NamedTuple):
+    state: SeqState
+    span: EntrySpan
+    features: torch.Tensor | None  # [len(span.tokens), feature_dim]
+
+
+def encode_features(features: torch.Tensor) -> tuple[bytes, int, str]:
+    """Target features [rows, width] as (row-major bytes, width, dtype name): the wire form."""
+    rows = features.detach().contiguous().cpu()
+    return (rows.view(torch.uint8).numpy().tobytes(), rows.shape[1],
+            str(rows.dtype).removeprefix("torch."))
+
+
+def decode_features(data: bytes, rows: int, width: int, hidden_dim: int, dtype: str) -> torch.Tensor:
+    """Target features [rows, width] from raw row-major bytes; SeqError when they do not fit."""
+    if dtype not in DTYPES:
+        raise SeqError(f"hidden_states dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    if hidden_dim != width:
+        raise SeqError(f"hidden_dim {hidden_dim} != {width} (3 x the target hidden size the "
+                       "EAGLE-3 head was trained on)")
+    torch_dtype = DTYPES[dtype]
+    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    if len(data) != rows * width * itemsize:
+        raise SeqError(f"hidden_states has {len(data)} bytes; {rows} rows of {width} {dtype} "
+                       f"need {rows * width * itemsize}")
+    if rows == 0:
+        return torch.empty(0, width, dtype=torch_dtype)
+    # bytearray: a writable copy (torch.frombuffer warns on read-only bytes).
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype).reshape(rows, width)
+
+
+class _Candidates:
+    """The nodes generated while drafting one sequence's tree, in generation order."""
+
+    def __init__(self, shape: TreeShape, num_entries: int) -> None:
+        self.shape = shape
+        self.num_entries = num_entries
+        self.tokens: list[int] = []   # target ids
+        self.parents: list[int] = []  # candidate index, or ROOT
+        self.scores: list[float] = []  # cumulative log-prob
+        self.depths: list[int] = []
+        self.frontier: list[int] = []
+        self.slot: dict[int, int] = {}  # candidate -> logical cache slot, for those that ran
+
+    def add(self, token: int, parent: int, score: float) -> int:
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.scores.append(score)
+        self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
+        return len(self.tokens) - 1
+
+    def expand(self, parent: int, tokens: list[int], logprobs: list[float]) -> list[int]:
+        """Add the children of parent (ROOT or a candidate); returns their indices."""
+        base = 0.0 if parent == ROOT else self.scores[parent]
+        return [self.add(t, parent, base + lp) for t, lp in zip(tokens, logprobs, strict=True)]
+
+    def set_frontier(self, candidates: list[int]) -> None:
+        """Keep the best topk of candidates (ties: generation order) as the next frontier."""
+        self.frontier = sorted(candidates, key=lambda c: -self.scores[c])[: self.shape.topk]
+
+    def frontier_mask(self, step: int) -> torch.Tensor:
+        """[k, E + step * k] bool: each frontier node sees the entries, its ancestors and itself.
+
+        The frontier of step j (its nodes have depth j) is written to logical
+        slots E + (j - 1) * k ... E + j * k - 1.
+        """
+        k, first = self.shape.topk, self.num_entries + (step - 1) * self.shape.topk
+        mask = torch.zeros(k, first + k, dtype=torch.bool)
+        mask[:, : self.num_entries] = True
+        for row, node in enumerate(self.frontier):
+            self.slot[node] = first + row
+            while node != ROOT:
+                mask[row, self.slot[node]] = True
+                node = self.parents[node]
+        return mask
+
+    def best_tree(self) -> Tree:
+        """The best num_draft_tokens candidates, closed under parents, parents first."""
+        order = sorted(range(len(self.tokens)), key=lambda c: (-self.scores[c], self.depths[c], c))
+        kept: list[int] = []
+        is_kept: set[int] = set()
+        for c in order:
+            if len(kept) == self.shape.num_draft_tokens:
+                break
+            if self.parents[c] != ROOT and self.parents[c] not in is_kept:
+                continue
+            kept.append(c)
+            is_kept.add(c)
+        kept.sort(key=lambda c: (self.depths[c], c))
+        index = {c: i + 1 for i, c in enumerate(kept)}
+        return Tree([self.tokens[c] for c in kept],
+                    [0 if self.parents[c] == ROOT else index[self.parents[c]] for c in kept])
+
+
+class _TreeJob(NamedTuple):
+    index: int         # position of the sequence in the request
+    state: SeqState
+    cands: _Candidates
+
+
+class Drafter:
+    """Serves draft requests over one model, one KV cache and one attention backend.
+
+    Thread-safe: requests of all sessions are served one at a time.
+    """
+
+    def __init__(self, model: DraftModel, cache: KVCache, pool: PagePool, backend: AttentionBackend,
+                 limits: DrafterLimits) -> None:
+        self.model = model
+        self.cache = cache
+        self.pool = pool
+        self.backend = backend
+        self.limits = limits
+        self.device = model.device
+        self._num_held = 0
+        self._lock = threading.Lock()
+
+    @property
+    def num_held(self) -> int:
+        """Sequences held over all sessions."""
+        return self._num_held
+
+    def open_session(self) -> Session:
+        return Session()
+
+    def close_session(self, session: Session) -> None:
+        with self._lock:
+            for seq_id in list(session.seqs):
+                self._drop(session, seq_id)
+
+    def draft(self, session: Session, seqs: list[SeqInput], release_ids: Iterable[int] = ()
+              ) -> list[SeqResult]:
+        """Release, catch up, draft; one result per input, in order."""
+        with self._lock, torch.inference_mode():
+            for seq_id in release_ids:
+                self._drop(session, seq_id)
+            errors: dict[int, str] = {}
+            extends = self._prepare_all(session, seqs, errors)
+            self._extend(extends)
+            trees = self._draft_trees(session, seqs, errors)
+        return [SeqResult(item.seq_id, trees.get(i, EMPTY_TREE), errors.get(i, ""))
+                for i, item in enumerate(seqs)]
+
+    # ---- catch-up ---------------------------------------------------------------------
+
+    def _fail(self, session: Session, index: int, seq_id: int, errors: dict[int, str],
+              exc: SeqError) -> None:
+        """Record a per-sequence error (logged) and forget the sequence."""
+        log.warning("draft cannot serve sequence %d: %s", seq_id, exc)
+        errors[index] = str(exc)
+        self._drop(session, seq_id)
+
+    def _prepare_all(self, session: Session, seqs: list[SeqInput], errors: dict[int, str]
+                     ) -> list[_Extend]:
+        extends, seen = [], set()
+        for i, item in enumerate(seqs):
+            if item.seq_id in seen:
+                errors[i] = "sequence appears twice in one request"
+                log.warning("draft request names sequence %d twice", item.seq_id)
+                continue
+            seen.add(item.seq_id)
+            try:
+                extend = self._prepare(session, item)
+            except SeqError as exc:  # becomes this sequence's error in the reply
+                self._fail(session, i, item.seq_id, errors, exc)
+                continue
+            if extend is not None:
+                extends.append(extend)
+        return extends
+
+    def _prepare(self, session: Session, item: SeqInput) -> _Extend | None:
+        """Validate one input, truncate the state to start and reserve pages for the new entries."""
+        state = session.seqs.get(item.seq_id)
+        if state is None and item.start > 0:
+            raise SeqError("unknown sequence, resend from 0")
+        if state is not None and item.start > state.num_tokens:
+            raise SeqError(f"start {item.start} is past the {state.num_tokens} tokens the draft "
+                           "holds; resend from 0")
+        end = item.start + len(item.new_tokens)
+        if end > self.limits.max_context:
+            raise SeqError(f"sequence of {end} tokens exceeds the draft's --max-context "
+                           f"{self.limits.max_context}")
+        vocab = self.model.vocab_size
+        bad = next((t for t in item.new_tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise SeqError(f"token id {bad} outside the vocabulary [0, {vocab})")
+        shape = item.shape
+        if shape.num_draft_tokens > 0 and (shape.topk < 1 or shape.num_steps < 1):
+            raise SeqError(f"a tree needs topk >= 1 and num_steps >= 1, got topk {shape.topk} "
+                           f"num_steps {shape.num_steps}")
+        span = self.model.entries(item.start, item.new_tokens)
+        features = None
+        if self.model.feature_dim:
+            features = decode_features(item.hidden_states, len(span.tokens), self.model.feature_dim,
+                                       item.hidden_dim, item.dtype)
+        if state is None:
+            if self._num_held >= self.limits.max_running:
+                raise SeqError(f"the draft already holds --max-running {self.limits.max_running} "
+                               "sequences")
+            state = session.seqs[item.seq_id] = SeqState(PageTable(self.cache.page_size))
+            self._num_held += 1
+        if span.first < state.num_entries:  # rollback: the last entry's state is gone too
+            state.last_state = None
+        state.table.num_slots = span.first
+        state.num_tokens = end
+        try:
+            state.table.reserve(self.pool, span.first + len(span.tokens))
+        except OutOfPages as exc:
+            raise SeqError(f"out of draft KV-cache pages ({exc}); the cache holds --max-running "
+                           "sequences of --max-context tokens: raise one of them") from exc
+        return _Extend(state, span, features) if span.tokens else None
+
+    def _extend(self, extends: list[_Extend]) -> None:
+        """Append every sequence's new entries in one forward pass."""
+        if not extends:
+            return
+        ids, pos, attn, feats = [], [], [], []
+        for ext in extends:
+            first, num = ext.span.first, len(ext.span.tokens)
+            ids.append(torch.tensor(ext.span.tokens, dtype=torch.int64))
+            pos.append(torch.arange(first, first + num))
+            attn.append(SeqAttention(ext.state.table, kv_len=first + num, q_len=num))
+            if ext.features is not None:
+                feats.append(ext.features.to(self.model.dtype))
+        meta = self.backend.plan(attn, self.device)
+        ctx = AttentionContext(self.backend, meta, self.cache)
+        features = torch.cat(feats).to(self.device) if feats else None
+        states = self.model.forward_entries(torch.cat(ids).to(self.device), features,
+                                            torch.cat(pos).to(self.device), ctx)
+        row = -1
+        for ext, seq in zip(extends, attn, strict=True):
+            row += seq.q_len
+            ext.state.table.num_slots = seq.kv_len
+            ext.state.last_state = states[row].clone()
+
+    # ---- trees ------------------------------------------------------------------------
+
+    def capped(self, shape: TreeShape) -> TreeShape:
+        """The shape actually drafted: num_draft_tokens capped at --max-tree-nodes, topk and depth
+        at that budget N (and topk at the draft vocabulary). A node is kept only with all its
+        ancestors, so no kept node is deeper than N, and none ranks below its siblings' N-th."""
+        nodes = min(shape.num_draft_tokens, self.limits.max_tree_nodes)
+        topk = min(shape.topk, nodes, self.model.draft_vocab_size)
+        return TreeShape(nodes, topk, min(shape.num_steps, nodes))
+
+    def _draft_trees(self, session: Session, seqs: list[SeqInput], errors: dict[int, str]
+                     ) -> dict[int, Tree]:
+        jobs = []
+        for i, item in enumerate(seqs):
+            if i in errors or item.shape.num_draft_tokens == 0:
+                continue
+            state = session.seqs[item.seq_id]
+            shape = self.capped(item.shape)
+            try:
+                if state.last_state is None:
+                    raise SeqError("no committed entry to draft from (needs new tokens after a "
+                                   "rollback, or 2 tokens for EAGLE-3); resend from 0")
+                scratch = (shape.num_steps - 1) * shape.topk
+                try:
+                    state.table.reserve(self.pool, state.num_entries + scratch)
+                except OutOfPages as exc:
+                    raise SeqError(f"out of draft KV-cache pages for a {scratch}-node tree scratch "
+                                   f"({exc})") from exc
+            except SeqError as exc:  # becomes this sequence's error in the reply
+                self._fail(session, i, item.seq_id, errors, exc)
+                continue
+            jobs.append(_TreeJob(i, state, _Candidates(shape, state.num_entries)))
+        if not jobs:
+            return {}
+        try:
+            self._grow(jobs)
+        finally:
+            for job in jobs:
+                self._trim(job.state.table)
+        return {job.index: job.cands.best_tree() for job in jobs}
+
+    def _top(self, states: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """Per row of states [T, X]: the k best log-probs and their target ids (one host sync)."""
+        logprobs = torch.log_softmax(self.model.logits(states), dim=-1)
+        values, draft_ids = logprobs.topk(k, dim=-1)
+        return values.tolist(), self.model.to_target_ids(draft_ids).tolist()
+
+    def _grow(self, jobs: list[_TreeJob]) -> None:
+        """EAGLE-2 drafting, batched over sequences.
+
+        Depth 1: the top-k of each root's log-probs. Step j = 1 .. S-1: ONE
+        forward over every sequence's k frontier nodes (depth j, position
+        last entry + j, input = token and, for EAGLE-3, the parent's state),
+        each attending to its sequence's entries, its ancestors and itself
+        (:meth:`_Candidates.frontier_mask`); each frontier node gets its top-k
+        children (score = cumulative log-prob), and the best k of the k * k
+        children become the next frontier. Sequences with fewer steps drop
+        out of later forwards; shapes may differ between sequences.
+        """
+        kmax = max(job.cands.shape.topk for job in jobs)
+        states = torch.stack([job.state.last_state for job in jobs])  # [B, X]: the roots
+        values, tokens = self._top(states, kmax)
+        parent_rows: dict[int, list[int]] = {}  # job -> row in states of each frontier node's parent
+        for b, job in enumerate(jobs):
+            k = job.cands.shape.topk
+            job.cands.set_frontier(job.cands.expand(ROOT, tokens[b][:k], values[b][:k]))
+            parent_rows[job.index] = [b] * k
+        for step in range(1, max(job.cands.shape.num_steps for job in jobs)):
+            active = [job for job in jobs if job.cands.shape.num_steps > step]
+            states = self._forward_frontiers(active, step, states, parent_rows)
+            values, tokens = self._top(states, kmax)
+            offset = 0
+            for job in active:  # rows of states: each active job's frontier, in order
+                cands, k = job.cands, job.cands.shape.topk
+                row_of, children = {}, []
+                for row, node in enumerate(cands.frontier, start=offset):
+                    row_of[node] = row
+                    children += cands.expand(node, tokens[row][:k], values[row][:k])
+                offset += len(cands.frontier)
+                cands.set_frontier(children)
+                parent_rows[job.index] = [row_of[cands.parents[c]] for c in cands.frontier]
+
+    def _forward_frontiers(self, active: list[_TreeJob], step: int, states: torch.Tensor,
+                           parent_rows: dict[int, list[int]]) -> torch.Tensor:
+        """One forward over the frontier nodes of every active job; their states [T, X]."""
+        ids, pos, attn, rows = [], [], [], []
+        for job in active:
+            cands = job.cands
+            mask = cands.frontier_mask(step)  # [k, E + step * k]
+            ids.extend(cands.tokens[c] for c in cands.frontier)
+            pos.extend([cands.num_entries - 1 + step] * len(cands.frontier))
+            attn.append(SeqAttention(job.state.table, kv_len=mask.shape[1],
+                                     q_len=len(cands.frontier), mask=mask))
+            rows.extend(parent_rows[job.index])
+        meta = self.backend.plan(attn, self.device)
+        ctx = AttentionContext(self.backend, meta, self.cache)
+        parents = states[torch.tensor(rows, device=self.device)]  # [T, X]
+        return self.model.forward_nodes(torch.tensor(ids, device=self.device), parents,
+                                        torch.tensor(pos, device=self.device), ctx)
+
+    def _trim(self, table: PageTable) -> None:
+        """Give back the pages beyond the committed entries (the tree scratch)."""
+        keep = -(-table.num_slots // table.page_size)
+        self.pool.free(table.pages[keep:])
+        del table.pages[keep:]
+
+    def _drop(self, session: Session, seq_id: int) -> None:
+        state = session.seqs.pop(seq_id, None)
+        if state is not None:
+            state.table.release(self.pool)
+            self._num_held -= 1

@@ -1,0 +1,119 @@
+"""The Draft gRPC servicer: protobuf in, :class:`Drafter` call, protobuf out.
+
+Fault injection for tests: ``SPLITSPEC_INJECT_DRAFT_FAULT=malformed_tree``
+makes the servicer corrupt every other tree it sends on a stream (the 1st,
+3rd, 5th, ...: one extra node whose token id is vocab_size and whose parent
+index points forward), so that the target's tree validation can be tested end
+to end while the target still verifies the intact trees (its warmup needs
+some). Read when the servicer is built (the start_server step); an unknown
+value fails that step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from draft_service.drafter import Drafter, SeqInput, SeqResult, TreeShape
+from draft_service.models import DraftSpec
+from splitspec.init_report import InitReport
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+DRAFT_FAULT_ENV = "SPLITSPEC_INJECT_DRAFT_FAULT"
+DRAFT_FAULTS = ("malformed_tree",)
+
+
+def draft_fault_from_env(env: dict[str, str] | None = None) -> str:
+    """The draft fault to inject ("" = none); ValueError for an unknown one."""
+    fault = (env if env is not None else os.environ).get(DRAFT_FAULT_ENV, "")
+    if fault and fault not in DRAFT_FAULTS:
+        raise ValueError(f"{DRAFT_FAULT_ENV}={fault!r} is not one of {DRAFT_FAULTS}")
+    return fault
+
+
+def draft_info(spec: DraftSpec, max_context: int) -> draft_pb2.DraftInfo:
+    return draft_pb2.DraftInfo(
+        kind=spec.kind,
+        model_name=spec.name,
+        vocab_size=spec.vocab_size,
+        tokenizer_sha256=spec.tokenizer_sha256,
+        needs_hidden_states=spec.needs_hidden_states,
+        target_hidden_size=spec.target_hidden_size,
+        aux_layer_inputs=list(spec.aux_layer_inputs),
+        target_num_layers=spec.target_num_layers,
+        max_context=max_context,
+    )
+
+
+def seq_input_from_pb(pb: draft_pb2.SeqDraftInput) -> SeqInput:
+    return SeqInput(
+        seq_id=pb.seq_id, start=pb.start, new_tokens=list(pb.new_tokens),
+        shape=TreeShape(pb.shape.num_draft_tokens, pb.shape.topk, pb.shape.num_steps),
+        hidden_states=pb.hidden_states, hidden_dim=pb.hidden_dim, dtype=pb.dtype)
+
+
+def tree_to_pb(result: SeqResult) -> draft_pb2.DraftTree:
+    return draft_pb2.DraftTree(seq_id=result.seq_id, tokens=result.tree.tokens,
+                               parents=result.tree.parents, error=result.error)
+
+
+def corrupt(tree: draft_pb2.DraftTree, vocab_size: int) -> None:
+    """Append a node the target must reject: token id vocab_size, parent after itself."""
+    num = len(tree.tokens)
+    tree.tokens.append(vocab_size)
+    tree.parents.append(num + 2)
+
+
+class DraftServicer(draft_pb2_grpc.DraftServicer):
+    """Each Exchange stream gets its own session; its sequences are freed when it ends."""
+
+    def __init__(self, drafter: Drafter, info: draft_pb2.DraftInfo, report: InitReport,
+                 fault: str = "") -> None:
+        self.drafter = drafter
+        self.info = info
+        self.report = report
+        self.fault = fault
+
+    def Exchange(self, request_iterator: Iterator[draft_pb2.DraftRequest],
+                 context: grpc.ServicerContext) -> Iterator[draft_pb2.DraftReply]:
+        session = self.drafter.open_session()
+        num_sent = 0
+        log.info("draft stream opened by %s", context.peer())
+        try:
+            for request in request_iterator:
+                reply = self._reply(session, request)
+                if self.fault == "malformed_tree":
+                    for tree in reply.trees[num_sent % 2::2]:
+                        corrupt(tree, self.info.vocab_size)
+                num_sent += len(reply.trees)
+                yield reply
+        except grpc.RpcError:
+            if context.is_active():
+                raise
+            # The target cancelled its stream (it stops or reconnects): the normal end of a stream.
+            log.info("draft stream from %s cancelled by the client", context.peer())
+        finally:
+            self.drafter.close_session(session)
+            log.info("draft stream from %s closed", context.peer())
+
+    def _reply(self, session: object, request: draft_pb2.DraftRequest) -> draft_pb2.DraftReply:
+        start = time.perf_counter()
+        results = self.drafter.draft(session, [seq_input_from_pb(s) for s in request.seqs],
+                                     request.release_ids)
+        trees = [tree_to_pb(r) for r in results]
+        return draft_pb2.DraftReply(step=request.step, trees=trees,
+                                    draft_s=time.perf_counter() - start)
+
+    def GetInfo(self, request: draft_pb2.GetDraftInfoRequest,
+                context: grpc.ServicerContext) -> draft_pb2.DraftInfo:
+        return self.info
+
+    def GetInitReport(self, request: common_pb2.GetInitReportRequest,
+                      context: grpc.ServicerContext) -> common_pb2.InitReport:
+        return self.report.to_pb()

@@ -1,0 +1,148 @@
+"""The draft's start-up steps. Each returns a finished part; the drafter is built from them.
+
+Steps, in order: load_config, load_model, allocate_kv_cache,
+init_attention_backend, capture_cuda_graphs, warmup, start_server. Health
+turns SERVING in __main__ only after all of them.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from draft_service.config import DraftConfig
+from draft_service.drafter import Drafter, DrafterLimits, SeqInput, TreeShape, encode_features
+from draft_service.models import DraftModel, DraftSpec, load_draft_model, read_spec
+from draft_service.servicer import DraftServicer, draft_fault_from_env, draft_info
+from splitspec.attention import AttentionBackend, make_backend
+from splitspec.grpc_server import ServiceServer
+from splitspec.init_report import Detailed, Startup
+from splitspec.kv_cache import KVCache, PagePool
+from splitspec.model.loader import parse_dtype
+from splitspec.tree import tree_error
+from splitspec.v1 import draft_pb2, draft_pb2_grpc
+
+STEPS = ["load_config", "load_model", "allocate_kv_cache", "init_attention_backend",
+         "capture_cuda_graphs", "warmup", "start_server"]
+WARMUP_TOKENS = 12
+WARMUP_TREE = TreeShape(num_draft_tokens=8, topk=4, num_steps=4)
+WARMUP_CHAIN = TreeShape(num_draft_tokens=4, topk=1, num_steps=4)
+GRPC_WORKERS = 16  # each open Exchange stream holds one
+
+
+class Built(NamedTuple):
+    drafter: Drafter
+    server: ServiceServer
+
+
+def load_config(cfg: DraftConfig) -> Detailed:
+    cfg.check()
+    parse_dtype(cfg.dtype)
+    spec = read_spec(Path(cfg.model), cfg.kind, cfg.target_dir)
+    target = f", target {spec.target_dir.name} ({spec.target_num_layers} layers)" if spec.target_dir else ""
+    return Detailed(spec, f"{spec.kind} draft {spec.name}, vocab {spec.vocab_size}{target}")
+
+
+def load_model(cfg: DraftConfig, spec: DraftSpec) -> Detailed:
+    model = load_draft_model(spec, parse_dtype(cfg.dtype), cfg.device)
+    return Detailed(model, f"{model.num_parameters / 1e6:.1f}M parameters, {cfg.dtype} on {cfg.device}")
+
+
+def allocate_kv_cache(cfg: DraftConfig, model: DraftModel) -> Detailed:
+    num_pages = cfg.num_pages
+    dtype = parse_dtype(cfg.dtype)
+    need = KVCache.bytes_needed(model.num_layers, num_pages, cfg.page_size, model.num_kv_heads,
+                                model.head_dim, dtype)
+    if cfg.device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(cfg.device))
+        if need > free:
+            raise MemoryError(f"draft KV cache needs {need / 2**30:.1f} GiB but {free / 2**30:.1f} "
+                              "GiB is free; lower --max-running or --max-context")
+    cache = KVCache(model.num_layers, num_pages, cfg.page_size, model.num_kv_heads, model.head_dim,
+                    dtype, cfg.device)
+    return Detailed((cache, PagePool(num_pages)),
+                    f"{num_pages} pages of {cfg.page_size} ({need / 2**20:.1f} MiB)")
+
+
+def init_attention_backend(cfg: DraftConfig) -> Detailed:
+    return Detailed(make_backend("torch"), "torch")
+
+
+def capture_cuda_graphs(cfg: DraftConfig) -> Detailed:
+    if not cfg.device.startswith("cuda"):
+        return Detailed(None, f"no-op on {cfg.device}")
+    return Detailed(None, "no graphs yet: eager drafting")
+
+
+def warmup_inputs(model: DraftModel, seq_id: int, start: int, tokens: list[int], shape: TreeShape,
+                  generator: torch.Generator) -> SeqInput:
+    """A SeqInput for tokens at start, with random target features when the model needs them."""
+    if not model.feature_dim:
+        return SeqInput(seq_id, start, tokens, shape)
+    rows = len(model.entries(start, tokens).tokens)
+    data, dim, dtype = encode_features(torch.randn(rows, model.feature_dim, generator=generator))
+    return SeqInput(seq_id, start, tokens, shape, data, dim, dtype)
+
+
+def warmup(drafter: Drafter) -> Detailed:
+    """Catch a fake sequence up in two exchanges, draft a tree and a chain, check them, release."""
+    model, started = drafter.model, time.perf_counter()
+    tokens = [(7 * i + 3) % model.vocab_size for i in range(WARMUP_TOKENS)]
+    generator = torch.Generator().manual_seed(0)
+    half = WARMUP_TOKENS // 2
+    session = drafter.open_session()
+    found = []
+    try:
+        exchanges = [(0, tokens[:half], TreeShape(0, 0, 0)), (half, tokens[half:], WARMUP_TREE),
+                     (WARMUP_TOKENS, [], WARMUP_CHAIN)]
+        for start, new, shape in exchanges:
+            item = warmup_inputs(model, 1, start, new, shape, generator)
+            (result,) = drafter.draft(session, [item])
+            if result.error:
+                raise RuntimeError(f"warmup draft failed: {result.error}")
+            if shape.num_draft_tokens:
+                want = drafter.capped(shape).num_draft_tokens
+                problem = tree_error(result.tree, model.vocab_size, want)
+                if problem or result.tree.num_nodes != want:
+                    raise RuntimeError(f"warmup drafted a bad tree ({problem or 'size'}): {result.tree}")
+                found.append(result.tree.num_nodes)
+        drafter.draft(session, [], release_ids=[1])
+    finally:
+        drafter.close_session(session)
+    if drafter.num_held:
+        raise RuntimeError(f"warmup left {drafter.num_held} sequences held after release")
+    return Detailed(None, f"tree of {found[0]} nodes, chain of {found[1]} in "
+                    f"{time.perf_counter() - started:.2f}s")
+
+
+def start_server(cfg: DraftConfig, spec: DraftSpec, drafter: Drafter, startup: Startup) -> Detailed:
+    servicer = DraftServicer(drafter, draft_info(spec, cfg.max_context), startup.report,
+                             draft_fault_from_env())
+    name = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
+    server = ServiceServer(cfg.address, GRPC_WORKERS, [name])
+    draft_pb2_grpc.add_DraftServicer_to_server(servicer, server.server)
+    server.start()
+    fault = f" (injecting {servicer.fault})" if servicer.fault else ""
+    return Detailed(server, f"listening on {cfg.host}:{server.port}{fault}")
+
+
+def build(cfg: DraftConfig, startup: Startup) -> Built:
+    """Run every step; raises InitFailed at the first that fails."""
+    spec = startup.step("load_config", load_config, cfg)
+    model = startup.step("load_model", load_model, cfg, spec)
+    cache, pool = startup.step("allocate_kv_cache", allocate_kv_cache, cfg, model)
+    backend: AttentionBackend = startup.step("init_attention_backend", init_attention_backend, cfg)
+    startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg)
+    limits = DrafterLimits(cfg.max_running, cfg.max_context, cfg.max_tree_nodes)
+
+    def build_and_warm() -> Detailed:
+        drafter = Drafter(model, cache, pool, backend, limits)
+        done = warmup(drafter)
+        return Detailed(drafter, done.detail)
+
+    drafter = startup.step("warmup", build_and_warm)
+    server = startup.step("start_server", start_server, cfg, spec, drafter, startup)
+    return Built(drafter, server)

@@ -1,0 +1,521 @@
+"""The drafter in-process: tree shapes, catch-up vs rebuild, exactness against plain references,
+per-sequence errors, and the servicer over an in-process gRPC server."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+import pytest
+import torch
+from transformers import LlamaForCausalLM as HFLlama
+
+from draft_service.config import DraftConfig
+from draft_service.drafter import Drafter, DrafterLimits, SeqInput, TreeShape, encode_features
+from draft_service.models import EAGLE3, STANDALONE, DraftModel, load_draft_model, read_spec
+from draft_service.servicer import DRAFT_FAULT_ENV, DraftServicer, draft_fault_from_env, draft_info
+from draft_service.startup import allocate_kv_cache, warmup
+from splitspec.attention import TorchAttentionBackend
+from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_EAGLE3, BUILTIN_TARGET
+from splitspec.grpc_server import ServiceServer
+from splitspec.init_report import InitReport
+from splitspec.kv_cache import KVCache, PagePool
+from splitspec.tree import Tree, depths, tree_error
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+
+TREE = TreeShape(num_draft_tokens=8, topk=4, num_steps=4)
+CHAIN = TreeShape(num_draft_tokens=5, topk=1, num_steps=5)
+NO_TREE = TreeShape(0, 0, 0)
+
+
+def make_drafter(model_dir, max_context: int = 128, max_running: int = 8, page_size: int = 4,
+                 num_pages: int | None = None) -> Drafter:
+    cfg = DraftConfig(model=model_dir, max_context=max_context, max_running=max_running,
+                      page_size=page_size)
+    spec = read_spec(model_dir, "auto", cfg.target_dir)
+    model = load_draft_model(spec, torch.float32, "cpu")
+    if num_pages is None:
+        cache, pool = allocate_kv_cache(cfg, model).value
+    else:
+        cache = KVCache(model.num_layers, num_pages, page_size, model.num_kv_heads, model.head_dim,
+                        torch.float32, "cpu")
+        pool = PagePool(num_pages)
+    limits = DrafterLimits(max_running, max_context, cfg.max_tree_nodes)
+    return Drafter(model, cache, pool, TorchAttentionBackend(), limits)
+
+
+@pytest.fixture(scope="module")
+def eagle():
+    return make_drafter(BUILTIN_EAGLE3)
+
+
+@pytest.fixture(scope="module")
+def standalone():
+    return make_drafter(BUILTIN_DRAFT)
+
+
+@pytest.fixture(params=[EAGLE3, STANDALONE])
+def drafter(request, eagle, standalone):
+    return eagle if request.param == EAGLE3 else standalone
+
+
+def fake_tokens(n: int, seed: int = 0, vocab: int = 2048) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def fake_features(model: DraftModel, rows: int, seed: int = 0) -> torch.Tensor:
+    """Target features of positions 0..rows-1 (fixed seed: the same for every path)."""
+    return torch.randn(rows, model.feature_dim, generator=torch.Generator().manual_seed(seed))
+
+
+def seq_input(model: DraftModel, seq_id: int, start: int, tokens: list[int], shape: TreeShape,
+              features: torch.Tensor | None = None) -> SeqInput:
+    """new_tokens = tokens[start:], with the feature rows the target would send."""
+    new = tokens[start:]
+    if not model.feature_dim:
+        return SeqInput(seq_id, start, new, shape)
+    lo, hi = max(start - 1, 0), len(tokens) - 1
+    data, dim, dtype = encode_features(features[lo:hi])
+    return SeqInput(seq_id, start, new, shape, data, dim, dtype)
+
+
+def draft_one(drafter: Drafter, tokens: list[int], shape: TreeShape, seed: int = 0) -> Tree:
+    """A fresh session, one exchange from 0; returns the tree."""
+    features = fake_features(drafter.model, len(tokens), seed) if drafter.model.feature_dim else None
+    session = drafter.open_session()
+    try:
+        (result,) = drafter.draft(session, [seq_input(drafter.model, 1, 0, tokens, shape, features)])
+    finally:
+        drafter.close_session(session)
+    assert result.error == ""
+    return result.tree
+
+
+# ---- references: plain torch, no cache ----------------------------------------------------
+
+
+def causal_attention(attn, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """A LlamaAttention module applied with plain causal attention over the whole sequence."""
+    t = x.shape[0]
+    q = attn.q_proj(x).view(t, attn.num_heads, attn.head_dim)
+    k = attn.k_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
+    v = attn.v_proj(x).view(t, attn.num_kv_heads, attn.head_dim)
+    q, k = attn.rotary(q, k, positions)
+    group = attn.num_heads // attn.num_kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    return attn.o_proj(out.transpose(0, 1).reshape(t, -1))
+
+
+def eagle3_reference(head, token_ids: torch.Tensor, hidden: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The EAGLE-3 head over rows (token, hidden [H]) at positions 0..T-1: (logits, g)."""
+    layer = head.midlayer
+    x = torch.cat((layer.input_layernorm(head.embed_tokens(token_ids)), layer.hidden_norm(hidden)), -1)
+    h = hidden + causal_attention(layer.self_attn, x, torch.arange(len(token_ids)))
+    g = h + layer.mlp(layer.post_attention_layernorm(h))
+    return head.lm_head(head.norm(g)).float(), g
+
+
+def llama_reference(model, token_ids: list[int]) -> torch.Tensor:
+    """Logits [T, V] of our Llama over token_ids with plain causal attention."""
+    h = model.model.embed_tokens(torch.tensor(token_ids))
+    positions = torch.arange(len(token_ids))
+    for layer in model.model.layers:
+        h = h + causal_attention(layer.self_attn, layer.input_layernorm(h), positions)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    return model.compute_logits(model.model.norm(h))
+
+
+def reference_tree(model: DraftModel, tokens: list[int], features: torch.Tensor | None,
+                   shape: TreeShape) -> Tree:
+    """EAGLE-2 drafting with one uncached forward per expanded node (see drafter.py)."""
+    k, steps, budget = shape.topk, shape.num_steps, shape.num_draft_tokens
+
+    def next_logprobs(path: list[int]) -> torch.Tensor:
+        """log-probs after the committed tokens and a path of drafted tokens."""
+        with torch.inference_mode():
+            if not model.feature_dim:
+                logits = llama_reference(model.model, tokens + path)[-1]
+            else:  # entries (fc(h_i), t_{i+1}), then nodes (g of the parent, node token)
+                head = model.head
+                ids = torch.tensor(tokens[1:] + path)
+                hidden = head.fuse(features[: len(tokens) - 1])
+                for _ in path:  # each node's hidden is the g its parent produced
+                    _, g = eagle3_reference(head, ids[: len(hidden)], hidden)
+                    hidden = torch.cat((hidden, g[-1:]))
+                logits, _ = eagle3_reference(head, ids, hidden)
+                logits = logits[-1]
+        return torch.log_softmax(logits, dim=-1)
+
+    cands: list[tuple[list[int], float]] = []  # (path of target ids, score), generation order
+    parent_of: list[int] = []
+
+    def expand(parent: int) -> list[int]:
+        path, score = ([], 0.0) if parent < 0 else cands[parent]
+        top = next_logprobs(path).topk(k)
+        ids = model.to_target_ids(top.indices).tolist()
+        made = []
+        for tok, lp in zip(ids, top.values.tolist(), strict=True):
+            cands.append(([*path, tok], score + lp))
+            parent_of.append(parent)
+            made.append(len(cands) - 1)
+        return made
+
+    frontier = expand(-1)
+    for _ in range(steps - 1):
+        children = [c for f in frontier for c in expand(f)]
+        frontier = sorted(children, key=lambda c: -cands[c][1])[:k]
+    order = sorted(range(len(cands)), key=lambda c: (-cands[c][1], len(cands[c][0]), c))
+    kept: list[int] = []
+    for c in order:
+        if len(kept) < budget and (parent_of[c] < 0 or parent_of[c] in kept):
+            kept.append(c)
+    kept.sort(key=lambda c: (len(cands[c][0]), c))
+    index = {c: i + 1 for i, c in enumerate(kept)}
+    return Tree([cands[c][0][-1] for c in kept], [index.get(parent_of[c], 0) for c in kept])
+
+
+# ---- tree shape ---------------------------------------------------------------------------
+
+
+def test_topk1_is_a_chain_of_num_steps(drafter):
+    tree = draft_one(drafter, fake_tokens(20), TreeShape(num_draft_tokens=9, topk=1, num_steps=5))
+    assert tree.parents == [0, 1, 2, 3, 4]
+    assert tree_error(tree, drafter.model.vocab_size, 5) is None
+
+
+def test_tree_is_well_formed_full_and_deterministic(drafter):
+    tokens = fake_tokens(20)
+    tree = draft_one(drafter, tokens, TREE)
+    assert tree.num_nodes == 8
+    assert tree_error(tree, drafter.model.vocab_size, 8) is None
+    assert all(p <= i for i, p in enumerate(tree.parents))
+    tree_depths = depths(tree.parents)
+    assert max(tree_depths) <= TREE.num_steps
+    assert tree_depths[1:] == sorted(tree_depths[1:])  # sorted by depth
+    assert sum(1 for p in tree.parents if p == 0) <= TREE.topk
+    assert draft_one(drafter, tokens, TREE) == tree
+    assert drafter.num_held == 0
+
+
+def test_tree_matches_reference_drafting_without_cache(drafter):
+    """The batched, paged, masked drafting equals EAGLE-2 drafting done the slow way: one full
+    causal forward (no cache, no mask) per expanded node."""
+    model = drafter.model
+    tokens = fake_tokens(16, seed=3)
+    features = fake_features(model, 16, seed=3) if model.feature_dim else None
+    for shape in (TREE, TreeShape(6, 3, 3), TreeShape(10, 2, 5), CHAIN):
+        expected = reference_tree(model, tokens, features, shape)
+        assert draft_one(drafter, tokens, shape, seed=3) == expected, shape
+
+
+def test_batched_sequences_get_the_trees_they_get_alone(drafter):
+    """One request, sequences of different lengths and shapes: each tree equals its solo draft."""
+    model = drafter.model
+    shapes = [TREE, CHAIN, TreeShape(10, 2, 5), NO_TREE, TreeShape(3, 3, 1), TreeShape(7, 4, 2)]
+    seqs, solo = [], []
+    for i, shape in enumerate(shapes):
+        tokens = fake_tokens(9 + 3 * i, seed=20 + i)
+        features = fake_features(model, len(tokens), seed=20 + i) if model.feature_dim else None
+        seqs.append(seq_input(model, 100 + i, 0, tokens, shape, features))
+        solo.append(draft_one(drafter, tokens, shape, seed=20 + i) if shape.num_draft_tokens
+                    else Tree([], []))
+    session = drafter.open_session()
+    try:
+        results = drafter.draft(session, seqs)
+    finally:
+        drafter.close_session(session)
+    assert [r.error for r in results] == [""] * len(shapes)
+    assert [r.tree for r in results] == solo
+
+
+def test_cap_at_max_tree_nodes(standalone):
+    shape = TreeShape(num_draft_tokens=500, topk=2, num_steps=100)
+    assert standalone.capped(shape) == TreeShape(64, 2, 64)
+    tree = draft_one(standalone, fake_tokens(10), TreeShape(num_draft_tokens=500, topk=2, num_steps=3))
+    assert tree.num_nodes == 2 + 2 * 4  # every candidate: k + (S - 1) * k * k
+    assert tree_error(tree, standalone.model.vocab_size, 64) is None
+
+
+# ---- catch-up ------------------------------------------------------------------------------
+
+
+def test_incremental_catch_up_equals_rebuild(drafter):
+    model = drafter.model
+    tokens = fake_tokens(30, seed=1)
+    features = fake_features(model, 30, seed=1) if model.feature_dim else None
+    whole = draft_one(drafter, tokens, TREE, seed=1)
+    session = drafter.open_session()
+    try:
+        for start, end, shape in ((0, 7, NO_TREE), (7, 8, TREE), (8, 19, CHAIN), (19, 30, TREE)):
+            (result,) = drafter.draft(session, [seq_input(model, 5, start, tokens[:end], shape,
+                                                          features)])
+            assert result.error == ""
+        assert result.tree == whole
+        assert session.seqs[5].num_tokens == 30
+    finally:
+        drafter.close_session(session)
+
+
+def test_rollback_truncates_to_start(drafter):
+    """Hold 32 tokens, then resend from 22 with other tokens: as if built from 0 with those."""
+    model = drafter.model
+    held = fake_tokens(32, seed=2)
+    other = held[:22] + fake_tokens(8, seed=9)
+    held_features = other_features = None
+    if model.feature_dim:  # the same target features up to position 21, then others
+        held_features = fake_features(model, 32, seed=2)
+        other_features = torch.cat((held_features[:22], fake_features(model, 8, seed=9)))
+    session = drafter.open_session()
+    try:
+        drafter.draft(session, [seq_input(model, 1, 0, held, TREE, held_features)])
+        (result,) = drafter.draft(session, [seq_input(model, 1, 22, other, TREE, other_features)])
+        assert result.error == ""
+        assert session.seqs[1].num_tokens == 30
+        assert session.seqs[1].num_entries == model.num_entries(30)
+    finally:
+        drafter.close_session(session)
+    assert result.tree == draft_with_features(drafter, other, other_features)
+
+
+def draft_with_features(drafter: Drafter, tokens: list[int], features: torch.Tensor | None) -> Tree:
+    session = drafter.open_session()
+    try:
+        (result,) = drafter.draft(session, [seq_input(drafter.model, 1, 0, tokens, TREE, features)])
+    finally:
+        drafter.close_session(session)
+    return result.tree
+
+
+def test_rollback_without_new_tokens_is_an_error_then_resend_works(standalone):
+    model = standalone.model
+    tokens = fake_tokens(12)
+    session = standalone.open_session()
+    try:
+        standalone.draft(session, [seq_input(model, 1, 0, tokens, NO_TREE)])
+        (result,) = standalone.draft(session, [SeqInput(1, 6, [], TREE)])
+        assert "resend from 0" in result.error
+        assert 1 not in session.seqs
+        (result,) = standalone.draft(session, [seq_input(model, 1, 0, tokens, TREE)])
+        assert result.error == "" and result.tree.num_nodes == 8
+    finally:
+        standalone.close_session(session)
+
+
+# ---- exactness -----------------------------------------------------------------------------
+
+
+def test_eagle3_first_token_matches_head_run_without_cache(eagle):
+    model = eagle.model
+    assert model.head.d2t.any(), "the built-in head should map draft ids to other target ids"
+    tokens = fake_tokens(25, seed=4)
+    features = fake_features(model, 25, seed=4)
+    session = eagle.open_session()
+    try:
+        (result,) = eagle.draft(session, [seq_input(model, 1, 0, tokens, TREE, features)])
+        state = session.seqs[1].last_state
+    finally:
+        eagle.close_session(session)
+    # Entries: (h_i, t_{i+1}) at position i, i = 0..23.
+    head = model.head
+    with torch.inference_mode():
+        logits, g = eagle3_reference(head, torch.tensor(tokens[1:]), head.fuse(features[:24]))
+    torch.testing.assert_close(state, g[-1], atol=1e-4, rtol=1e-4)
+    assert result.tree.tokens[0] == head.to_target_ids(logits[-1].argmax()).item()
+
+
+def test_standalone_target_chain_equals_transformers_greedy():
+    drafter = make_drafter(BUILTIN_TARGET)
+    hf = HFLlama.from_pretrained(BUILTIN_TARGET, dtype=torch.float32).eval()
+    prompt = fake_tokens(14, seed=5)
+    steps = 6
+    tree = draft_one(drafter, prompt, TreeShape(steps, 1, steps))
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(steps):
+            ids.append(hf(torch.tensor([ids])).logits[0, -1].argmax().item())
+    assert tree.tokens == ids[len(prompt):]
+    assert tree.parents == list(range(steps))
+
+
+# ---- per-sequence errors -------------------------------------------------------------------
+
+
+def test_per_sequence_errors_leave_other_sequences_served(eagle):
+    model = eagle.model
+    tokens = fake_tokens(20, seed=6)
+    features = fake_features(model, 20, seed=6)
+    good = seq_input(model, 1, 0, tokens, TREE, features)
+    unknown = seq_input(model, 2, 5, tokens, TREE, features)
+    data, _, dtype = encode_features(torch.zeros(19, model.feature_dim + 1))
+    wide = SeqInput(3, 0, tokens, TREE, data, model.feature_dim + 1, dtype)
+    short = seq_input(model, 4, 0, tokens, TREE, features)
+    short = SeqInput(4, 0, tokens, TREE, short.hidden_states[:-4], short.hidden_dim, short.dtype)
+    long_tokens = fake_tokens(eagle.limits.max_context + 1)
+    too_long = seq_input(model, 5, 0, long_tokens, TREE, fake_features(model, len(long_tokens)))
+    bad_token = SeqInput(6, 0, [1, model.vocab_size], TREE, good.hidden_states[:model.feature_dim * 4],
+                         model.feature_dim, "float32")
+    bad_dtype = SeqInput(7, 0, tokens, TREE, good.hidden_states, good.hidden_dim, "int8")
+    session = eagle.open_session()
+    try:
+        results = eagle.draft(session, [unknown, good, wide, short, too_long, bad_token, bad_dtype])
+        assert [r.seq_id for r in results] == [2, 1, 3, 4, 5, 6, 7]
+        errors = {r.seq_id: r.error for r in results}
+        assert errors[1] == "" and results[1].tree == draft_one(eagle, tokens, TREE, seed=6)
+        assert errors[2] == "unknown sequence, resend from 0"
+        assert "hidden_dim" in errors[3]
+        assert "bytes" in errors[4]
+        assert "max-context" in errors[5]
+        assert "vocabulary" in errors[6]
+        assert "dtype" in errors[7]
+        assert all(r.tree.num_nodes == 0 for r in results if r.error)
+        assert set(session.seqs) == {1}
+        # The stream goes on: the good sequence continues, a failed one is resent from 0.
+        more = tokens + fake_tokens(3, seed=8)
+        more_features = torch.cat((features, fake_features(model, 3, seed=8)))
+        results = eagle.draft(session, [seq_input(model, 1, 20, more, TREE, more_features),
+                                        seq_input(model, 2, 0, tokens, TREE, features)])
+        assert [r.error for r in results] == ["", ""]
+        assert results[1].tree == draft_one(eagle, tokens, TREE, seed=6)
+    finally:
+        eagle.close_session(session)
+    assert eagle.num_held == 0
+
+
+def test_out_of_pages_and_max_running_fail_only_that_sequence():
+    drafter = make_drafter(BUILTIN_DRAFT, max_running=2, page_size=4, num_pages=8)
+    model = drafter.model
+    session = drafter.open_session()
+    try:
+        results = drafter.draft(session, [
+            seq_input(model, 1, 0, fake_tokens(10), CHAIN),       # 3 pages + 1 scratch page
+            seq_input(model, 2, 0, fake_tokens(40, seed=1), CHAIN),  # 10 pages: out of pages
+            seq_input(model, 3, 0, fake_tokens(8), CHAIN),
+            seq_input(model, 4, 0, fake_tokens(8), CHAIN),        # a third sequence held
+        ])
+        errors = [r.error for r in results]
+        assert errors[0] == "" and errors[2] == ""
+        assert "out of draft KV-cache pages" in errors[1]
+        assert "max-running" in errors[3]
+        assert results[0].tree.num_nodes == 5 and results[2].tree.num_nodes == 5
+        assert drafter.pool.num_free == 8 - 3 - 2  # tree scratch pages were given back
+        drafter.draft(session, [], release_ids=[1, 3, 99])
+        assert drafter.num_held == 0 and drafter.pool.num_free == 8
+    finally:
+        drafter.close_session(session)
+
+
+def test_tree_scratch_out_of_pages_is_a_sequence_error():
+    drafter = make_drafter(BUILTIN_DRAFT, page_size=4, num_pages=4)
+    model = drafter.model
+    session = drafter.open_session()
+    try:
+        (result,) = drafter.draft(session, [seq_input(model, 1, 0, fake_tokens(12), TREE)])
+        assert "tree scratch" in result.error
+        assert drafter.pool.num_free == 4
+    finally:
+        drafter.close_session(session)
+
+
+def test_warmup_passes_and_releases(drafter):
+    assert "tree of 8 nodes" in warmup(drafter).detail
+    assert drafter.num_held == 0
+
+
+# ---- servicer ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def served(standalone):
+    def start(fault: str = ""):
+        spec = read_spec(BUILTIN_DRAFT, "auto", None)
+        info = draft_info(spec, standalone.limits.max_context)
+        server = ServiceServer("127.0.0.1:0", 4, ["splitspec.v1.Draft"])
+        draft_pb2_grpc.add_DraftServicer_to_server(
+            DraftServicer(standalone, info, InitReport("draft"), fault), server.server)
+        server.start()
+        started.append(server)
+        channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+        return draft_pb2_grpc.DraftStub(channel)
+
+    started: list[ServiceServer] = []
+    yield start
+    for server in started:
+        server.stop(0)
+
+
+def pb_input(seq_id: int, start: int, tokens: list[int], num: int, topk: int, steps: int):
+    return draft_pb2.SeqDraftInput(seq_id=seq_id, start=start, new_tokens=tokens[start:],
+                                   shape=common_pb2.DraftShape(num_draft_tokens=num, topk=topk,
+                                                               num_steps=steps))
+
+
+def test_servicer_exchange_round_trip(served, standalone):
+    stub = served()
+    info = stub.GetInfo(draft_pb2.GetDraftInfoRequest())
+    assert (info.kind, info.model_name, info.vocab_size) == ("standalone", "draft", 2048)
+    assert len(info.tokenizer_sha256) == 64 and not info.needs_hidden_states
+    tokens = fake_tokens(20)
+    requests = [
+        draft_pb2.DraftRequest(step=7, seqs=[pb_input(1, 0, tokens[:15], 8, 4, 4),
+                                             pb_input(2, 3, tokens, 8, 4, 4),
+                                             pb_input(3, 0, tokens, 0, 0, 0)]),
+        draft_pb2.DraftRequest(step=8, seqs=[pb_input(1, 15, tokens, 5, 1, 5)], release_ids=[3]),
+    ]
+    replies = list(stub.Exchange(iter(requests)))
+    assert [r.step for r in replies] == [7, 8]
+    first = replies[0]
+    assert [t.seq_id for t in first.trees] == [1, 2, 3]
+    assert len(first.trees[0].tokens) == 8 and not first.trees[0].error
+    assert first.trees[1].error == "unknown sequence, resend from 0"
+    assert not first.trees[2].tokens and not first.trees[2].error
+    assert first.draft_s > 0
+    chain = replies[1].trees[0]
+    assert list(chain.tokens) == draft_one(standalone, tokens, CHAIN).tokens
+    deadline = time.monotonic() + 5
+    while standalone.num_held and time.monotonic() < deadline:  # freed when the stream ends
+        time.sleep(0.01)
+    assert standalone.num_held == 0
+
+
+def test_malformed_tree_fault_corrupts_every_other_tree(served, monkeypatch):
+    monkeypatch.setenv(DRAFT_FAULT_ENV, "malformed_tree")
+    stub = served(draft_fault_from_env())
+    tokens = fake_tokens(10)
+    requests = [draft_pb2.DraftRequest(step=1, seqs=[pb_input(1, 0, tokens, 4, 2, 2),
+                                                     pb_input(2, 0, tokens, 0, 0, 0),
+                                                     pb_input(3, 0, tokens, 4, 2, 2)]),
+                draft_pb2.DraftRequest(step=2, seqs=[pb_input(1, 10, tokens, 4, 2, 2)]),
+                draft_pb2.DraftRequest(step=3, seqs=[pb_input(1, 10, tokens, 4, 2, 2)])]
+    trees = [pb for reply in stub.Exchange(iter(requests)) for pb in reply.trees]
+    problems = [tree_error(Tree(list(pb.tokens), list(pb.parents)), 2048, 64) for pb in trees]
+    assert [p is not None for p in problems] == [True, False, True, False, True]
+    monkeypatch.setenv(DRAFT_FAULT_ENV, "nonsense")
+    with pytest.raises(ValueError, match="nonsense"):
+        draft_fault_from_env()
+
+
+def test_spec_info_kind_and_captured_layers(tmp_path):
+    info = draft_info(read_spec(BUILTIN_EAGLE3, "auto", BUILTIN_TARGET), 1024)
+    assert (info.kind, info.needs_hidden_states, info.vocab_size) == ("eagle3", True, 2048)
+    assert (info.target_hidden_size, info.target_num_layers, info.max_context) == (128, 6, 1024)
+    assert list(info.aux_layer_inputs) == []  # default layers
+    assert info.tokenizer_sha256 == read_spec(BUILTIN_DRAFT, "auto", None).tokenizer_sha256 != ""
+    head = tmp_path / "head"
+    head.mkdir()
+    config = json.loads((BUILTIN_EAGLE3 / "config.json").read_text())
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 2, 4]}
+    (head / "config.json").write_text(json.dumps(config))
+    spec = read_spec(head, "auto", BUILTIN_TARGET)
+    assert spec.aux_layer_inputs == (1, 3, 5)  # explicit ids name layer outputs
+    assert spec.tokenizer_sha256 == info.tokenizer_sha256  # from the target: the head has none
+    assert read_spec(head, "auto", None).tokenizer_sha256 == ""
+    with pytest.raises(ValueError, match="kind eagle3"):
+        read_spec(head, "standalone", None)
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 2, 9]}
+    (head / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="6 layers"):
+        read_spec(head, "auto", BUILTIN_TARGET)
