@@ -250,11 +250,15 @@ class Engine:
     def _shape(self, seq: Sequence, batch_size: int) -> common_pb2.DraftShape:
         if self.draft is None or seq.speculation == common_pb2.SPECULATION_MODE_OFF:
             return NO_SPECULATION
-        if seq.speculation == common_pb2.SPECULATION_MODE_ON:
-            return self.limits.default_shape
         policy = self._policies.get(seq.stream_id)
         if policy is None:
             return self.limits.default_shape
+        if seq.speculation == common_pb2.SPECULATION_MODE_ON:
+            # ON ignores the batch-size limits but keeps the stream's tree shape.
+            shaped = [e for e in policy.entries if e.shape.num_draft_tokens > 0]
+            if not shaped:
+                return self.limits.default_shape
+            return shape_for(policy, shaped[0].max_batch_size, self.limits.default_shape)
         return shape_for(policy, batch_size, self.limits.default_shape)
 
     def _draft_trees(self, decode: list[Sequence]) -> dict[int, Tree]:

@@ -1,0 +1,210 @@
+"""The whole stack as real processes: exactness of speculative decoding, bad input, faults.
+
+Greedy output with speculation ON (EAGLE-3 and standalone drafts, tree and
+chain) must be token-for-token what the target alone produces, which must be
+what transformers' own greedy generate produces on the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import grpc
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_TARGET
+from splitspec.tokenizer import load_tokenizer
+from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.stack import Service
+
+pytestmark = pytest.mark.slow
+
+NEW_TOKENS = 24
+PROMPTS = [
+    "def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n",
+    "for i in range(10):\n    print(", "def parse_args(argv=None):\n", "with open(path) as f:\n",
+    "try:\n    import json\nexcept ImportError:\n", "def __repr__(self):\n    return f\"",
+    "    @property\n    def name(self):\n", "if __name__ == \"__main__\":\n    main()\n",
+    "x = [i * i for i in range(", "raise ValueError(\"", "from collections import ",
+    "async def fetch(url):\n", "lambda x: x + 1", "return {k: v for k, v in ",
+    "assert isinstance(obj, ", "self.assertEqual(", "while True:\n    line = ",
+    "# Copyright (c) 2024\n\"\"\"Utilities for",
+]
+ON, OFF = common_pb2.SPECULATION_MODE_ON, common_pb2.SPECULATION_MODE_OFF
+TREE = ["--num-draft-tokens", "8", "--topk", "4", "--num-steps", "4"]
+CHAIN = ["--num-draft-tokens", "4", "--topk", "1", "--num-steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(BUILTIN_TARGET)
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer):
+    """transformers' greedy continuation of every prompt (float32, CPU)."""
+    model = LlamaForCausalLM.from_pretrained(BUILTIN_TARGET, dtype=torch.float32).eval()
+    out = {}
+    for text in PROMPTS:
+        ids = torch.tensor([tokenizer.encode(text)])
+        with torch.inference_mode():
+            gen = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 eos_token_id=None, pad_token_id=1)
+        out[text] = gen[0, ids.shape[1]:].tolist()
+    return out
+
+
+@pytest.fixture(scope="module")
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+def start_stack(logs, draft_args, target_args=(), gateway_args=()):
+    services = []
+    try:
+        draft = Service("draft_service", list(draft_args), logs).wait_serving()
+        services.append(draft)
+        target = Service("target_service", ["--draft", draft.address, *target_args], logs)
+        services.append(target.wait_serving())
+        gateway = Service("gateway", ["--target", target.address, *gateway_args], logs)
+        services.append(gateway.wait_serving())
+    except BaseException:
+        for service in services:
+            service.stop()
+        raise
+    return services
+
+
+@pytest.fixture(scope="module")
+def eagle_stack(logs):
+    services = start_stack(logs, [], gateway_args=TREE)
+    yield services
+    for service in reversed(services):
+        service.stop()
+
+
+@pytest.fixture(scope="module")
+def standalone_stack(logs):
+    services = start_stack(logs, ["--model", str(BUILTIN_DRAFT)], gateway_args=TREE)
+    yield services
+    for service in reversed(services):
+        service.stop()
+
+
+def gateway_stub(service: Service) -> gateway_pb2_grpc.GatewayStub:
+    return gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(service.address))
+
+
+def generate(stub, text, mode, max_new=NEW_TOKENS, **stopping):
+    return stub.Generate(gateway_pb2.GenerateRequest(
+        text=text, speculation=mode, include_token_ids=True,
+        stopping=gateway_pb2.StoppingParams(max_new_tokens=max_new, ignore_eos=True, **stopping)),
+        timeout=120)
+
+
+def generate_all(stub, mode, concurrency=20):
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        replies = list(pool.map(lambda t: generate(stub, t, mode), PROMPTS))
+    return {t: list(r.token_ids) for t, r in zip(PROMPTS, replies, strict=True)}, replies
+
+
+def add_chain_gateway(stack, logs):
+    target = stack[1]
+    return Service("gateway", ["--target", target.address, *CHAIN], logs).wait_serving()
+
+
+@pytest.mark.parametrize("stack_name", ["eagle_stack", "standalone_stack"])
+def test_speculation_is_exact_tree_and_chain_concurrently(stack_name, request, reference, logs):
+    stack = request.getfixturevalue(stack_name)
+    tree_stub = gateway_stub(stack[2])
+    off, _ = generate_all(tree_stub, OFF)
+    assert off == reference, "plain decoding through the stack differs from transformers"
+    on, replies = generate_all(tree_stub, ON)
+    assert on == reference
+    assert sum(r.spec.verify_steps for r in replies) > 0, "no tree was ever verified"
+    assert all(r.spec.drafted_tokens >= r.spec.verify_steps for r in replies)
+    chain = add_chain_gateway(stack, logs)
+    try:
+        chained, replies = generate_all(gateway_stub(chain), ON)
+    finally:
+        chain.stop()
+    assert chained == reference
+    assert sum(r.spec.verify_steps for r in replies) > 0
+
+
+def test_self_draft_accepts_everything(logs, reference):
+    """A draft that is the target itself: every drafted token is accepted, output unchanged."""
+    stack = start_stack(logs, ["--model", str(BUILTIN_TARGET)], gateway_args=CHAIN)
+    try:
+        on, replies = generate_all(gateway_stub(stack[2]), ON, concurrency=16)
+    finally:
+        for service in reversed(stack):
+            service.stop()
+    assert on == reference
+    total = sum(r.spec.accepted_tokens for r in replies)
+    assert total == sum(r.spec.drafted_tokens for r in replies) > 0
+    assert all(r.spec.mean_accepted_length > 3.0 for r in replies)
+
+
+BAD_INPUTS = [
+    (gateway_pb2.GenerateRequest(), "input"),
+    (gateway_pb2.GenerateRequest(text=""), "empty"),
+    (gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(ids=[5, 99999])), "99999"),
+    (gateway_pb2.GenerateRequest(text="x " * 2000), "context"),
+    (gateway_pb2.GenerateRequest(text="hi", stopping=gateway_pb2.StoppingParams(max_new_tokens=0)),
+     "max_new_tokens"),
+    (gateway_pb2.GenerateRequest(text="hi", stopping=gateway_pb2.StoppingParams(
+        max_new_tokens=10**9)), "max_new_tokens"),
+    (gateway_pb2.GenerateRequest(text="hi", speculation=7), "speculation"),
+    (gateway_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(temperature=0.7)),
+     "sampling"),
+]
+
+
+def test_bad_input_is_invalid_argument_and_gateway_keeps_serving(eagle_stack, reference):
+    stub = gateway_stub(eagle_stack[2])
+    for request, needle in BAD_INPUTS:
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(request, timeout=30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (request, info.value)
+        assert needle in info.value.details(), (needle, info.value.details())
+    text = PROMPTS[0]
+    assert list(generate(stub, text, ON).token_ids) == reference[text]
+
+
+def test_stream_stop_string_and_status(eagle_stack, reference, tokenizer):
+    stub = gateway_stub(eagle_stack[2])
+    text = PROMPTS[1]
+    full = tokenizer.decode(reference[text])
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    chunks = list(stub.GenerateStream(gateway_pb2.GenerateRequest(
+        text=text, speculation=ON, stopping=gateway_pb2.StoppingParams(
+            max_new_tokens=NEW_TOKENS, ignore_eos=True, stop=[stop])), timeout=60))
+    streamed = "".join(c.text for c in chunks)
+    assert streamed == full[: full.index(stop)]
+    assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+    status = stub.GetStatus(gateway_pb2.GetStatusRequest(), timeout=10)
+    assert status.gateway.ok and status.target.ok and status.draft.ok
+    assert status.running == 0 and status.queued == 0
+    assert status.spec.verify_steps > 0
+
+
+def test_malformed_trees_are_rejected_and_output_unchanged(logs, reference):
+    """The draft corrupts every other tree: those steps decode plainly, output unchanged."""
+    draft = Service("draft_service", [], logs,
+                    env={"SPLITSPEC_INJECT_DRAFT_FAULT": "malformed_tree"}).wait_serving()
+    target = gateway = None
+    try:
+        target = Service("target_service", ["--draft", draft.address], logs).wait_serving()
+        gateway = Service("gateway", ["--target", target.address, *TREE], logs).wait_serving()
+        on, replies = generate_all(gateway_stub(gateway), ON, concurrency=4)
+    finally:
+        for service in (gateway, target, draft):
+            if service is not None:
+                service.stop()
+    assert on == reference
+    assert sum(r.spec.rejected_trees for r in replies) > 0
+    assert sum(r.spec.verify_steps for r in replies) > 0
+    assert "rejected draft tree" in target.log
