@@ -105,11 +105,11 @@ class KVCache:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return num_layers * num_pages * 2 * page_size * num_kv_heads * head_dim * itemsize
 
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer, each flattened to [num_pages * page_size, H_kv, D]."""
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ([S, H_kv, D] each) of one layer at global slots [S]."""
         pool = self.data[layer]
-        shape = (-1, pool.shape[-2], pool.shape[-1])
-        return pool[:, 0].reshape(shape), pool[:, 1].reshape(shape)
+        pages, offsets = slots // self.page_size, slots % self.page_size
+        return pool[pages, 0, offsets], pool[pages, 1, offsets]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, H_kv, D]) at global slots [T]."""

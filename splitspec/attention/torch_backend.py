@@ -32,7 +32,6 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
         cache.write(layer, meta.write_slots, k, v)
-        k_all, v_all = cache.layer_kv(layer)  # [slots, H_kv, D]
         num_heads, head_dim = q.shape[1], q.shape[2]
         group = num_heads // k.shape[1]
         scale = head_dim ** -0.5
@@ -41,8 +40,9 @@ class TorchAttentionBackend(AttentionBackend):
             lo, hi = meta.qo_indptr[i], meta.qo_indptr[i + 1]
             # qi: [H, q, D]; ki, vi: [H, kv, D] (KV heads repeated for GQA)
             qi = q[lo:hi].transpose(0, 1).float()
-            ki = k_all[slots].repeat_interleave(group, dim=1).transpose(0, 1).float()
-            vi = v_all[slots].repeat_interleave(group, dim=1).transpose(0, 1).float()
+            k_seq, v_seq = cache.read(layer, slots)  # [kv, H_kv, D]
+            ki = k_seq.repeat_interleave(group, dim=1).transpose(0, 1).float()
+            vi = v_seq.repeat_interleave(group, dim=1).transpose(0, 1).float()
             scores = (qi @ ki.transpose(1, 2)) * scale          # [H, q, kv]
             scores = scores.masked_fill(~mask, float("-inf"))
             out[lo:hi] = (scores.softmax(dim=-1) @ vi).transpose(0, 1).to(q.dtype)
