@@ -7,7 +7,7 @@ figures are the engine's and the draft exchange's, without client overhead;
     python bench/bench_speculation.py --target localhost:50052 [--gateway localhost:50051]
 
 Start the stack first (``splitspec up``), or let ``--start`` launch draft and
-target on free ports (``--draft-kind eagle3|standalone``).
+target on free ports (``--draft-kind eagle3|standalone|self``).
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def breakdown(steps: list[target_pb2.StepStats], speculated: bool) -> dict[str, 
     return {
         "steps": len(picked),
         "draft_ms": med([s.draft_s for s in picked]),
+        "draft_compute_ms": med([s.draft_compute_s for s in picked]),
         "forward_ms": med([s.forward_s for s in picked]),
         "bookkeeping_ms": med([s.total_s - s.draft_s - s.forward_s for s in picked]),
         "total_ms": med([s.total_s for s in picked]),
@@ -127,7 +128,8 @@ def free_port() -> int:
 
 def start_stack(draft_kind: str) -> tuple[list[subprocess.Popen], str]:
     draft_port, target_port = free_port(), free_port()
-    draft_model = {"eagle3": [], "standalone": ["--model", str(BUILTIN_DRAFT)]}[draft_kind]
+    draft_model = {"eagle3": [], "standalone": ["--model", str(BUILTIN_DRAFT)],
+                   "self": ["--model", str(BUILTIN_TARGET)]}[draft_kind]
     procs = [subprocess.Popen([sys.executable, "-m", "draft_service", "--port", str(draft_port),
                                *draft_model], stdout=subprocess.DEVNULL)]
     procs.append(subprocess.Popen([sys.executable, "-m", "target_service", "--port",
@@ -141,7 +143,9 @@ def main() -> int:
     parser.add_argument("--target", default="localhost:50052", help="target address")
     parser.add_argument("--gateway", default="", help="also time end to end through this gateway")
     parser.add_argument("--start", action="store_true", help="start draft and target here")
-    parser.add_argument("--draft-kind", default="eagle3", choices=["eagle3", "standalone"])
+    parser.add_argument("--draft-kind", default="eagle3", choices=["eagle3", "standalone", "self"],
+                        help="with --start: the built-in EAGLE-3 head, the standalone draft, or "
+                             "the target itself as a standalone draft (every token accepted)")
     parser.add_argument("--model", type=Path, default=BUILTIN_TARGET, help="for the tokenizer")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight")

@@ -46,6 +46,12 @@ class EngineLimits:
     eos_ids: frozenset[int]
 
 
+class _ForwardResult(NamedTuple):
+    argmax: list[int]          # greedy token per logit row, in batch order
+    aux: torch.Tensor | None   # [T, k * H] captured features of every new token
+    starts: list[int]          # query range of batch entry i: [starts[i], starts[i + 1])
+
+
 class _Stream(NamedTuple):
     outbox: queue.Queue  # ServeEvent, then None when the stream is closed
 
@@ -96,6 +102,7 @@ class Engine:
         self._stream_ids = itertools.count(1)
         self._seq_ids = itertools.count(1)
         self._step = 0
+        self._draft_compute_s = 0.0
         self._pending_releases: list[int] = []
         self._pending: dict[int, list[target_pb2.TokenDelta]] = {}  # stream id -> deltas to send
         self._lock = threading.Lock()
@@ -234,17 +241,21 @@ class Engine:
             self._flush()  # cancellations still answer
             return
         draft_start = time.perf_counter()
+        self._draft_compute_s = 0.0
         trees = self._draft_trees(decode)
         forward_start = time.perf_counter()
-        drafted, accepted = self._forward_and_commit(prefill, decode, trees)
+        result = self._forward(prefill, decode, trees)
+        forward_end = time.perf_counter()
+        drafted, accepted = self._commit(prefill, decode, trees, result)
         end = time.perf_counter()
         self.last_stats = target_pb2.StepStats(
             step=self._step, batch_size=len(decode),
             prefill_tokens=sum(len(s.prompt_ids) for s in prefill),
             speculated=any(t.num_nodes for t in trees.values()),
             drafted_tokens=drafted, accepted_tokens=accepted,
-            draft_s=forward_start - draft_start, forward_s=end - forward_start,
-            total_s=end - start, waiting=len(self.scheduler.waiting))
+            draft_s=forward_start - draft_start, forward_s=forward_end - forward_start,
+            total_s=end - start, waiting=len(self.scheduler.waiting),
+            draft_compute_s=self._draft_compute_s)
         self._flush()
 
     def _shape(self, seq: Sequence, batch_size: int) -> common_pb2.DraftShape:
@@ -277,6 +288,7 @@ class Engine:
             log.warning("step %d decodes without speculation: %s", self._step, result.error)
             return {}
         self._pending_releases = []
+        self._draft_compute_s = result.reply.draft_s
         trees = {}
         for seq, pb in zip(wanting, result.reply.trees, strict=False):
             tree = self._accept_tree(seq, pb, shapes[seq.seq_id].num_draft_tokens)
@@ -309,9 +321,14 @@ class Engine:
             return None
         return tree
 
-    def _forward_and_commit(self, prefill: list[Sequence], decode: list[Sequence],
-                            trees: dict[int, Tree]) -> tuple[int, int]:
-        ids, pos, attn, logit_rows = [], [], [], []
+    def _forward(self, prefill: list[Sequence], decode: list[Sequence],
+                 trees: dict[int, Tree]) -> _ForwardResult:
+        """One forward over every new token: prompts (causal) and roots plus trees (tree mask).
+
+        Returns the greedy token after every prompt's last token and after every
+        root and tree node, in batch order, and the captured features.
+        """
+        ids, pos, attn = [], [], []
         for seq in prefill:
             n = len(seq.prompt_ids)
             ids.append(torch.tensor(seq.prompt_ids))
@@ -326,7 +343,7 @@ class Engine:
             attn.append(SeqAttention(seq.table, kv_len=length + 1 + tree.num_nodes,
                                      q_len=1 + tree.num_nodes, mask=mask))
         starts = list(itertools.accumulate([a.q_len for a in attn], initial=0))
-        logit_rows.extend(starts[i + 1] - 1 for i in range(len(prefill)))
+        logit_rows = [starts[i + 1] - 1 for i in range(len(prefill))]
         for i in range(len(prefill), len(attn)):
             logit_rows.extend(range(starts[i], starts[i + 1]))
         meta = self.backend.plan(attn, self.device)
@@ -336,17 +353,22 @@ class Engine:
                              self.capture)
             rows = torch.tensor(logit_rows, device=self.device)
             argmax = self.model.compute_logits(out.hidden[rows]).argmax(dim=-1).tolist()
+        return _ForwardResult(argmax, out.aux, starts)
+
+    def _commit(self, prefill: list[Sequence], decode: list[Sequence], trees: dict[int, Tree],
+                result: _ForwardResult) -> tuple[int, int]:
+        """Accept, compact and emit for every sequence; returns (drafted, accepted) tokens."""
+        argmax, aux, starts = result
         for i, seq in enumerate(prefill):
-            self._commit_prefill(seq, argmax[i], out.aux, starts[i], starts[i + 1])
+            self._commit_prefill(seq, argmax[i], aux, starts[i], starts[i + 1])
         drafted = accepted = 0
         cursor = len(prefill)
         for i, seq in enumerate(decode, start=len(prefill)):
             tree = trees.get(seq.seq_id, EMPTY_TREE)
             greedy = argmax[cursor: cursor + 1 + tree.num_nodes]
             cursor += 1 + tree.num_nodes
-            num_accepted = self._commit_decode(seq, tree, greedy, out.aux, starts[i])
+            accepted += self._commit_decode(seq, tree, greedy, aux, starts[i])
             drafted += tree.num_nodes
-            accepted += num_accepted
         return drafted, accepted
 
     def _commit_prefill(self, seq: Sequence, token: int, aux: torch.Tensor | None,
