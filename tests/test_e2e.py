@@ -208,3 +208,26 @@ def test_malformed_trees_are_rejected_and_output_unchanged(logs, reference):
     assert sum(r.spec.rejected_trees for r in replies) > 0
     assert sum(r.spec.verify_steps for r in replies) > 0
     assert "rejected draft tree" in target.log
+
+
+def test_client_going_away_frees_its_cache(logs):
+    """The cache holds one long request at a time: after the first client goes away
+    mid-stream, the second request must get its pages and finish."""
+    stack = start_stack(logs, [], target_args=["--max-context", "256", "--num-pages", "20"],
+                        gateway_args=TREE)
+    try:
+        stub = gateway_stub(stack[2])
+        long_request = gateway_pb2.GenerateRequest(
+            text="def main():\n", speculation=ON,
+            stopping=gateway_pb2.StoppingParams(max_new_tokens=150, ignore_eos=True))
+        call = stub.GenerateStream(long_request, timeout=60)
+        next(call)
+        next(call)
+        call.cancel()
+        reply = stub.Generate(long_request, timeout=60)
+        assert reply.usage.completion_tokens == 150
+        status = stub.GetStatus(gateway_pb2.GetStatusRequest(), timeout=10)
+        assert status.running == 0 and status.queued == 0
+    finally:
+        for service in reversed(stack):
+            service.stop()
