@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from splitspec.builtin import BUILTIN_TARGET
-
-
-def _flag(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+from splitspec.config_args import add_arguments, from_args
+from splitspec.config_args import option as _flag
 
 
 @dataclass(frozen=True)
@@ -62,13 +58,7 @@ class GatewayConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> GatewayConfig:
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-
-def _arg_type(f: dataclasses.Field) -> type:
-    if f.name in ("model", "init_report"):
-        return Path
-    return type(f.default)
+        return from_args(cls, args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,9 +67,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m gateway",
         description="SplitSpec gateway: validates, tokenizes, queues and admits requests, "
                     "streams text back, matches stop strings and sets the speculation policy.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    for f in dataclasses.fields(GatewayConfig):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=_arg_type(f),
-                            default=f.default, help=f.metadata["help"])
+    add_arguments(parser, GatewayConfig)
     return parser
