@@ -191,6 +191,21 @@ def test_stream_stop_string_and_status(eagle_stack, reference, tokenizer):
     assert status.spec.verify_steps > 0
 
 
+def test_every_service_serves_health_and_reflection(eagle_stack):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    expected = {"draft_service": "splitspec.v1.Draft", "target_service": "splitspec.v1.Target",
+                "gateway": "splitspec.v1.Gateway"}
+    for service in eagle_stack:
+        assert service.health() == 1  # SERVING
+        with grpc.insecure_channel(service.address) as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            replies = stub.ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+            names = {s.name for r in replies for s in r.list_services_response.service}
+        assert {expected[service.module], "grpc.health.v1.Health"} <= names, names
+
+
 def test_malformed_trees_are_rejected_and_output_unchanged(logs, reference):
     """The draft corrupts every other tree: those steps decode plainly, output unchanged."""
     draft = Service("draft_service", [], logs,
