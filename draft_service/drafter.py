@@ -34,7 +34,8 @@ from splitspec.attention.base import AttentionBackend, SeqAttention
 from splitspec.kv_cache import KVCache, OutOfPages, PagePool, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.loader import DTYPES
-from splitspec.tree import EMPTY_TREE, Tree
+from splitspec.spec_stats import SpecCounters
+from splitspec.tree import EMPTY_TREE, Tree, depths, match_length
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,8 @@ class SeqState:
     table: PageTable                       # logical slot i holds entry i
     num_tokens: int = 0                    # committed tokens seen
     last_state: torch.Tensor | None = None  # [X] state of the last entry; None = nothing to draft from
+    last_tree: Tree | None = None          # the last tree sent, rooted at token num_tokens - 1
+    spec: SpecCounters = field(default_factory=SpecCounters)  # how much of each tree was committed
 
     @property
     def num_entries(self) -> int:
@@ -212,6 +215,8 @@ class Drafter:
         self.device = model.device
         self._num_held = 0
         self._lock = threading.Lock()
+        self.stats = SpecCounters()  # over all sequences: how much of each tree was committed next
+        self.num_exchanges = 0
 
     @property
     def num_held(self) -> int:
@@ -230,6 +235,7 @@ class Drafter:
               ) -> list[SeqResult]:
         """Release, catch up, draft; one result per input, in order."""
         with self._lock, torch.inference_mode():
+            self.num_exchanges += 1
             for seq_id in release_ids:
                 self._drop(session, seq_id)
             errors: dict[int, str] = {}
@@ -297,6 +303,9 @@ class Drafter:
                                "sequences")
             state = session.seqs[item.seq_id] = SeqState(PageTable(self.cache.page_size))
             self._num_held += 1
+        if state.last_tree is not None and item.start == state.num_tokens:
+            self._score_tree(state, item.new_tokens)
+        state.last_tree = None
         if span.first < state.num_entries:  # rollback: the last entry's state is gone too
             state.last_state = None
         state.table.num_slots = span.first
@@ -370,7 +379,20 @@ class Drafter:
         finally:
             for job in jobs:
                 self._trim(job.state.table)
-        return {job.index: job.cands.best_tree() for job in jobs}
+        trees = {job.index: job.cands.best_tree() for job in jobs}
+        for job in jobs:
+            job.state.last_tree = trees[job.index]
+        return trees
+
+    def _score_tree(self, state: SeqState, committed: list[int]) -> None:
+        """Count how much of the last tree the target committed next (draft-side acceptance)."""
+        tree = state.last_tree
+        if not tree.num_nodes:
+            return
+        accepted = match_length(tree, committed)
+        depth = max(depths(tree.parents))
+        state.spec.record_verify(tree.num_nodes, depth, accepted)
+        self.stats.record_verify(tree.num_nodes, depth, accepted)
 
     def _top(self, states: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
         """Per row of states [T, X]: the k best log-probs and their target ids (one host sync)."""

@@ -114,6 +114,12 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 context: grpc.ServicerContext) -> draft_pb2.DraftInfo:
         return self.info
 
+    def GetStatus(self, request: draft_pb2.GetDraftStatusRequest,
+                  context: grpc.ServicerContext) -> draft_pb2.DraftStatus:
+        return draft_pb2.DraftStatus(sequences=self.drafter.num_held,
+                                     exchanges=self.drafter.num_exchanges,
+                                     spec=self.drafter.stats.to_pb())
+
     def GetInitReport(self, request: common_pb2.GetInitReportRequest,
                       context: grpc.ServicerContext) -> common_pb2.InitReport:
         return self.report.to_pb()

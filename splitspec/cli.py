@@ -67,10 +67,17 @@ def format_final(final: gateway_pb2.GenerateResponse) -> str:
         f"completion {usage.completion_tokens} tokens",
         f"timings: queue {timings.queue_s:.3f}s, first token {timings.time_to_first_token_s:.3f}s, "
         f"total {timings.total_s:.3f}s ({rate:.1f} tokens/s after the first)",
-        f"speculation: {spec.verify_steps} verify steps, {spec.drafted_tokens} drafted, "
-        f"{spec.accepted_tokens} accepted, mean accepted length {spec.mean_accepted_length:.2f}, "
-        f"{spec.plain_steps} plain steps",
+        f"speculation: {format_spec(spec)}",
     ])
+
+
+def format_spec(spec: common_pb2.SpecStats) -> str:
+    """Speculation statistics in one line, with the acceptance rate at each tree depth."""
+    by_depth = " ".join(f"{rate:.2f}" for rate in spec.acceptance_by_depth) or "-"
+    return (f"{spec.verify_steps} verify steps, {spec.drafted_tokens} drafted, "
+            f"{spec.accepted_tokens} accepted, mean accepted length {spec.mean_accepted_length:.2f}, "
+            f"{spec.plain_steps} plain steps, {spec.rejected_trees} rejected trees; "
+            f"acceptance by depth: {by_depth}")
 
 
 def stream_completion(address: str, request: CompletionRequest, out: TextIO | None = None,
@@ -128,9 +135,7 @@ def format_status(status: gateway_pb2.StatusResponse) -> str:
         f"model: {status.model_name or '-'}   running: {status.running}   queued: {status.queued}"
         f"   speculating: {'yes' if status.speculating else 'no'}",
         f"policy: {describe_policy(status.policy)}",
-        f"speculation since start: {spec.verify_steps} verify steps, {spec.drafted_tokens} drafted, "
-        f"{spec.accepted_tokens} accepted, mean accepted length {spec.mean_accepted_length:.2f}, "
-        f"{spec.plain_steps} plain steps, {spec.rejected_trees} rejected trees",
+        f"speculation since start: {format_spec(spec)}",
         f"last step: #{step.step} batch {step.batch_size}, prefill {step.prefill_tokens} tokens, "
         f"drafted {step.drafted_tokens}, accepted {step.accepted_tokens}, draft "
         f"{step.draft_s * 1e3:.1f}ms, forward {step.forward_s * 1e3:.1f}ms, total "

@@ -95,3 +95,18 @@ def greedy_accept(tree: Tree, argmax: list[int]) -> Acceptance:
             return Acceptance(path, out)
         path.append(nxt)
         node = nxt
+
+
+def match_length(tree: Tree, tokens: list[int]) -> int:
+    """How many leading tokens follow a path of the tree from the root (the draft's view of
+    how much of its tree the target went on to commit)."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents, strict=True), start=1):
+        children.setdefault(parent, {}).setdefault(token, i)
+    node, matched = 0, 0
+    for token in tokens:
+        nxt = children.get(node, {}).get(token)
+        if nxt is None:
+            break
+        node, matched = nxt, matched + 1
+    return matched

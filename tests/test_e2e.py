@@ -16,7 +16,7 @@ from transformers import LlamaForCausalLM
 
 from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_TARGET
 from splitspec.tokenizer import load_tokenizer
-from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from tests.stack import Service
 
 pytestmark = pytest.mark.slow
@@ -138,7 +138,11 @@ def test_self_draft_accepts_everything(logs, reference):
     """A draft that is the target itself: every drafted token is accepted, output unchanged."""
     stack = start_stack(logs, ["--model", str(BUILTIN_TARGET)], gateway_args=CHAIN)
     try:
-        on, replies = generate_all(gateway_stub(stack[2]), ON, concurrency=16)
+        with grpc.insecure_channel(stack[0].address) as channel:
+            draft = draft_pb2_grpc.DraftStub(channel)
+            before = draft.GetStatus(draft_pb2.GetDraftStatusRequest(), timeout=10).spec
+            on, replies = generate_all(gateway_stub(stack[2]), ON, concurrency=16)
+            after = draft.GetStatus(draft_pb2.GetDraftStatusRequest(), timeout=10).spec
     finally:
         for service in reversed(stack):
             service.stop()
@@ -146,6 +150,9 @@ def test_self_draft_accepts_everything(logs, reference):
     total = sum(r.spec.accepted_tokens for r in replies)
     assert total == sum(r.spec.drafted_tokens for r in replies) > 0
     assert all(r.spec.mean_accepted_length > 3.0 for r in replies)
+    # The draft's own view (warmup's trees excluded): every chain it sent was committed in full.
+    drafted = after.drafted_tokens - before.drafted_tokens
+    assert after.accepted_tokens - before.accepted_tokens == drafted > 0
 
 
 BAD_INPUTS = [

@@ -8,6 +8,7 @@ from splitspec.tree import (
     ancestor_mask,
     depths,
     greedy_accept,
+    match_length,
     positions,
     tree_error,
     verify_mask,
@@ -67,3 +68,10 @@ def test_tree_error_names_the_problem():
     assert "parents must precede" in tree_error(Tree([5, 6], [0, 2]), 10, 8)
     assert "budget" in tree_error(TREE, 10, 3)
     assert "parents" in tree_error(Tree([5, 6], [0]), 10, 8)
+
+
+def test_match_length_follows_a_root_path():
+    assert match_length(TREE, [5, 7, 8, 1]) == 3
+    assert match_length(TREE, [6, 7]) == 1
+    assert match_length(TREE, [9]) == 0
+    assert match_length(EMPTY_TREE, [5]) == 0

@@ -7,6 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class GetDraftStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DraftStatus(_message.Message):
+    __slots__ = ("sequences", "exchanges", "spec")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    EXCHANGES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    sequences: int
+    exchanges: int
+    spec: _common_pb2.SpecStats
+    def __init__(self, sequences: _Optional[int] = ..., exchanges: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ...) -> None: ...
+
 class GetDraftInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

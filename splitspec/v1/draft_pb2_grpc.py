@@ -51,6 +51,11 @@ class DraftStub:
                 request_serializer=splitspec_dot_v1_dot_common__pb2.GetInitReportRequest.SerializeToString,
                 response_deserializer=splitspec_dot_v1_dot_common__pb2.InitReport.FromString,
                 _registered_method=True)
+        self.GetStatus = channel.unary_unary(
+                '/splitspec.v1.Draft/GetStatus',
+                request_serializer=splitspec_dot_v1_dot_draft__pb2.GetDraftStatusRequest.SerializeToString,
+                response_deserializer=splitspec_dot_v1_dot_draft__pb2.DraftStatus.FromString,
+                _registered_method=True)
 
 
 class DraftServicer:
@@ -78,6 +83,13 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStatus(self, request, context):
+        """Live figures, including the draft's own view of acceptance.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +107,11 @@ def add_DraftServicer_to_server(servicer, server):
                     servicer.GetInitReport,
                     request_deserializer=splitspec_dot_v1_dot_common__pb2.GetInitReportRequest.FromString,
                     response_serializer=splitspec_dot_v1_dot_common__pb2.InitReport.SerializeToString,
+            ),
+            'GetStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStatus,
+                    request_deserializer=splitspec_dot_v1_dot_draft__pb2.GetDraftStatusRequest.FromString,
+                    response_serializer=splitspec_dot_v1_dot_draft__pb2.DraftStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +196,33 @@ class Draft:
             '/splitspec.v1.Draft/GetInitReport',
             splitspec_dot_v1_dot_common__pb2.GetInitReportRequest.SerializeToString,
             splitspec_dot_v1_dot_common__pb2.InitReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitspec.v1.Draft/GetStatus',
+            splitspec_dot_v1_dot_draft__pb2.GetDraftStatusRequest.SerializeToString,
+            splitspec_dot_v1_dot_draft__pb2.DraftStatus.FromString,
             options,
             channel_credentials,
             insecure,
