@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_TARGET
+from splitspec.builtin import BUILTIN_TARGET
 from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
 from splitspec.tokenizer import load_tokenizer
 from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
@@ -41,23 +41,62 @@ PROMPTS = [
 ]
 
 
+SHAPES = {  # name -> (num_draft_tokens, topk, num_steps)
+    "chain3": (3, 1, 3),
+    "chain5": (5, 1, 5),
+    "tree": (8, 4, 4),
+}
+
+
 @dataclass
 class RunStats:
     tokens: int = 0
     wall_s: float = 0.0
     steps: list[target_pb2.StepStats] = field(default_factory=list)
-    spec: common_pb2.SpecStats | None = None
+    verify_steps: int = 0
+    accepted: int = 0
+    reached_by_depth: list[float] = field(default_factory=list)   # weighted by verify steps
+    accepted_by_depth: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.wall_s
 
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted draft tokens per verify step (bonus token excluded)."""
+        return self.accepted / self.verify_steps if self.verify_steps else 0.0
+
+    def add_request(self, spec: common_pb2.SpecStats) -> None:
+        self.verify_steps += spec.verify_steps
+        self.accepted += spec.accepted_tokens
+        rates = list(spec.acceptance_by_depth)
+        while len(self.reached_by_depth) < len(rates):
+            self.reached_by_depth.append(0.0)
+            self.accepted_by_depth.append(0.0)
+        for depth, rate in enumerate(rates):  # rate = accepted / reached; weight by verify steps
+            self.reached_by_depth[depth] += spec.verify_steps
+            self.accepted_by_depth[depth] += rate * spec.verify_steps
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_by_depth, self.reached_by_depth,
+                                                    strict=True)]
+
 
 def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_new: int,
-               mode: int, concurrency: int) -> RunStats:
-    """Generate every prompt, keeping `concurrency` in flight; one Serve stream."""
+               shape: tuple[int, int, int] | None, concurrency: int) -> RunStats:
+    """Generate every prompt, keeping `concurrency` in flight, on one Serve stream whose
+    policy drafts `shape` at every batch size (None: speculation off)."""
     requests: queue.Queue = queue.Queue()
     stats = RunStats()
+    mode = common_pb2.SPECULATION_MODE_OFF
+    if shape is not None:
+        mode = common_pb2.SPECULATION_MODE_AUTO
+        num, topk, steps = shape
+        requests.put(target_pb2.ServeRequest(policy=target_pb2.SpecPolicy(entries=[
+            target_pb2.SpecPolicy.Entry(max_batch_size=2**32 - 1, shape=common_pb2.DraftShape(
+                num_draft_tokens=num, topk=topk, num_steps=steps))])))
     pending = list(enumerate(prompts))
 
     def admit_next() -> None:
@@ -79,6 +118,7 @@ def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_n
         for delta in event.deltas:
             stats.tokens += len(delta.token_ids)
             if delta.finish_reason:
+                stats.add_request(delta.spec)
                 done += 1
                 if pending:
                     admit_next()
@@ -102,8 +142,6 @@ def breakdown(steps: list[target_pb2.StepStats], speculated: bool) -> dict[str, 
         "forward_ms": med([s.forward_s for s in picked]),
         "bookkeeping_ms": med([s.total_s - s.draft_s - s.forward_s for s in picked]),
         "total_ms": med([s.total_s for s in picked]),
-        "tokens_per_step": statistics.mean(
-            [(s.accepted_tokens + s.batch_size) / s.batch_size for s in picked]),
     }
 
 
@@ -126,16 +164,39 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_stack(draft_kind: str) -> tuple[list[subprocess.Popen], str]:
+def start_stack(draft_kind: str, models: Path, device: str, dtype: str
+                ) -> tuple[list[subprocess.Popen], str]:
     draft_port, target_port = free_port(), free_port()
-    draft_model = {"eagle3": [], "standalone": ["--model", str(BUILTIN_DRAFT)],
-                   "self": ["--model", str(BUILTIN_TARGET)]}[draft_kind]
+    draft_dir = {"eagle3": models / "eagle3", "standalone": models / "draft",
+                 "self": models / "target"}[draft_kind]
+    common = ["--device", device, "--dtype", dtype]
     procs = [subprocess.Popen([sys.executable, "-m", "draft_service", "--port", str(draft_port),
-                               *draft_model], stdout=subprocess.DEVNULL)]
+                               "--model", str(draft_dir), "--target-model", str(models / "target"),
+                               *common], stdout=subprocess.DEVNULL)]
     procs.append(subprocess.Popen([sys.executable, "-m", "target_service", "--port",
-                                   str(target_port), "--draft", f"127.0.0.1:{draft_port}"],
+                                   str(target_port), "--draft", f"127.0.0.1:{draft_port}",
+                                   "--model", str(models / "target"), *common],
                                   stdout=subprocess.DEVNULL))
     return procs, f"127.0.0.1:{target_port}"
+
+
+def load_prompts(source: str, tokenizer_dir: Path, num: int, prompt_len: int) -> list[list[int]]:
+    """Fixed code prompts, or held-out snippets (files the models never trained on)."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    if source == "fixed":
+        return [tokenizer.encode(p) for p in PROMPTS]
+    from splitspec.training.data import (
+        collect_corpus,
+        heldout_prompts,
+        split_corpus,
+        stdlib_source,
+    )
+    from splitspec.training.data import load_tokenizer as load_hf_tokenizer
+
+    corpus = collect_corpus([stdlib_source()], show_progress=False)
+    heldout = split_corpus(corpus).heldout
+    return [p.ids for p in heldout_prompts(heldout, load_hf_tokenizer(tokenizer_dir), num,
+                                           prompt_len)]
 
 
 def main() -> int:
@@ -146,38 +207,52 @@ def main() -> int:
     parser.add_argument("--draft-kind", default="eagle3", choices=["eagle3", "standalone", "self"],
                         help="with --start: the built-in EAGLE-3 head, the standalone draft, or "
                              "the target itself as a standalone draft (every token accepted)")
-    parser.add_argument("--model", type=Path, default=BUILTIN_TARGET, help="for the tokenizer")
+    parser.add_argument("--models", type=Path, default=BUILTIN_TARGET.parent,
+                        help="folder holding target/, eagle3/ and draft/ (with --start)")
+    parser.add_argument("--device", default="cpu", help="with --start: torch device of both services")
+    parser.add_argument("--dtype", default="float32", help="with --start: dtype of both services")
+    parser.add_argument("--shapes", default="tree",
+                        help=f"comma-separated draft shapes to run ON with: {', '.join(SHAPES)}")
+    parser.add_argument("--prompts", default="fixed", choices=["fixed", "heldout"],
+                        help="8 fixed code prompts, or snippets of held-out stdlib files")
+    parser.add_argument("--num-prompts", type=int, default=16, help="with --prompts heldout")
+    parser.add_argument("--prompt-len", type=int, default=64, help="with --prompts heldout")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     parser.add_argument("--repeats", type=int, default=5, help="runs per mode; medians reported")
     args = parser.parse_args()
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     procs: list[subprocess.Popen] = []
     if args.start:
-        procs, args.target = start_stack(args.draft_kind)
+        procs, args.target = start_stack(args.draft_kind, args.models, args.device, args.dtype)
     try:
-        channel = wait_for_serving(args.target, 180, "target")
+        channel = wait_for_serving(args.target, 300, "target")
         stub = target_pb2_grpc.TargetStub(channel)
-        tokenizer = load_tokenizer(args.model)
-        prompts = [tokenizer.encode(p) for p in PROMPTS]
-        modes = {"OFF": common_pb2.SPECULATION_MODE_OFF, "ON": common_pb2.SPECULATION_MODE_ON}
+        prompts = load_prompts(args.prompts, args.models / "target", args.num_prompts,
+                               args.prompt_len)
+        modes: dict[str, tuple[int, int, int] | None] = {"OFF": None, **shapes}
         rates: dict[str, list[float]] = {m: [] for m in modes}
         last: dict[str, RunStats] = {}
         for _ in range(args.repeats):
-            for name, mode in modes.items():  # interleaved, so drift hits both alike
-                last[name] = run_target(stub, prompts, args.max_new_tokens, mode, args.concurrency)
+            for name, shape in modes.items():  # interleaved, so drift hits all alike
+                last[name] = run_target(stub, prompts, args.max_new_tokens, shape, args.concurrency)
                 rates[name].append(last[name].tokens_per_s)
-        print(f"target {args.target}, {len(prompts)} prompts x {args.max_new_tokens} tokens, "
-              f"concurrency {args.concurrency}, {args.repeats} runs per mode")
+        print(f"target {args.target}, {len(prompts)} {args.prompts} prompts x "
+              f"{args.max_new_tokens} tokens, concurrency {args.concurrency}, "
+              f"{args.repeats} runs per mode")
         for name in modes:
-            print(f"  {name:3s}: {statistics.median(rates[name]):8.1f} tok/s (median; runs: "
-                  + ", ".join(f"{r:.1f}" for r in rates[name]) + ")")
-        ratios = [on / off for on, off in zip(rates["ON"], rates["OFF"], strict=True)]
-        print(f"  ON/OFF speed-up: {statistics.median(ratios):.2f}x (median of per-run ratios)")
-        for name, speculated in (("speculative", True), ("plain", False)):
-            source = last["ON"] if speculated else last["OFF"]
-            print(f"  {name} decode step: {breakdown(source.steps, speculated)}")
+            ratio = statistics.median(on / off for on, off in zip(rates[name], rates["OFF"],
+                                                                  strict=True))
+            stats = last[name]
+            print(f"  {name:7s}: {statistics.median(rates[name]):8.1f} tok/s (median of "
+                  + ", ".join(f"{r:.1f}" for r in rates[name]) + f"), x{ratio:.2f} vs OFF"
+                  + (f", accepted/verify step {stats.mean_accepted:.2f}, by depth "
+                     + " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth)
+                     if shapes.get(name) else ""))
+            print(f"           step: {breakdown(stats.steps, name != 'OFF')}")
         if args.gateway:
-            for name, mode in modes.items():
+            for name, mode in (("OFF", common_pb2.SPECULATION_MODE_OFF),
+                               ("ON", common_pb2.SPECULATION_MODE_ON)):
                 gw = [run_gateway(args.gateway, PROMPTS, args.max_new_tokens, mode)
                       for _ in range(args.repeats)]
                 print(f"  gateway {name}: {statistics.median(gw):.1f} tok/s end to end")
