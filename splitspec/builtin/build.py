@@ -1,70 +1,49 @@
-"""Build the built-in model files: tokenizer, Llama target, EAGLE-3 head, standalone draft.
+"""Build the built-in models: ``python -m splitspec.builtin.build`` trains them.
 
-Run ``python -m splitspec.builtin.build`` (``--help`` lists the flags). With the
-defaults it writes, under ``splitspec/builtin/models``:
+The command runs the training pipeline's ``builtin`` preset
+(:mod:`splitspec.training.pipeline`) into ``splitspec/builtin/models``:
 
-* ``target/``: a small random-weight ``LlamaForCausalLM`` (bfloat16, 6 layers,
-  hidden 128) saved by ``save_pretrained``, plus the tokenizer files;
-* ``eagle3/``: an EAGLE-3 head for that target in the SGLang / vLLM format
-  (``LlamaForCausalLMEagle3``; ``fc``, ``midlayer.*``, ``norm``, ``lm_head``,
-  ``embed_tokens``, ``d2t``, ``t2d``), draft vocabulary = the 1024 most frequent
-  target ids of the tokenised corpus;
-* ``draft/``: a smaller random-weight ``LlamaForCausalLM`` sharing the tokenizer;
-* ``manifest.json``: command, seed, corpus, sha256 and size of every file.
+* ``target/``: a Llama target (6 layers, hidden 256, vocab 2048) trained on the
+  standard library's ``*.py`` files (held-out files excepted), bf16, with the
+  byte-level BPE tokenizer trained on the same files;
+* ``eagle3/``: an EAGLE-3 head trained on the target's features (SGLang / vLLM
+  layout, draft vocabulary = the 1024 most frequent train ids);
+* ``draft/``: a standalone draft (2 layers, hidden 128) distilled from the target;
+* ``manifest.json``: the command, corpus, held-out files, settings, timings,
+  held-out quality, and the sha256 and size of every file.
 
-The tokenizer is a byte-level BPE (vocab 2048) trained on the Python standard
-library's ``*.py`` files (sorted, test folders and site-packages skipped, capped
-in bytes), so the models' vocabulary fits Python source. Weights are random
-(seeded); a trained pair comes with the training pipeline.
+Flags: ``--device cuda`` (about 3 minutes on one H200; on CPU it takes hours),
+``--seed``, ``--corpus``, ``--steps-scale`` (e.g. 0.001 for a smoke run),
+``--out`` (default: the committed folder). ``--help`` lists them.
 
-Everything is deterministic for a given seed, corpus and library versions. The
-functions below are also used by tests to build small, deliberately mismatched
-checkpoints into temporary folders (see :func:`write_llama` and
-:func:`write_eagle3_head`).
+The functions below write *random-weight* checkpoints: tests use them to build
+small or deliberately mismatched targets and heads in temporary folders
+(:func:`write_llama`, :func:`write_eagle3_head`).
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
-import shlex
-import shutil
-import sys
-import sysconfig
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
+
+from splitspec.training import lm
+from splitspec.training.files import write_json
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "models"
 DEFAULT_SEED = 0
-DEFAULT_MAX_CORPUS_BYTES = 8 * 1024 * 1024
-
-EOS_TOKEN = "<|endoftext|>"
-PAD_TOKEN = "<|pad|>"
-SPECIAL_TOKENS = (EOS_TOKEN, PAD_TOKEN)  # ids 0 and 1
 TOKENIZER_VOCAB_SIZE = 2048
-MODEL_MAX_LENGTH = 2048
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
-# Folder names whose contents never enter the corpus.
-SKIPPED_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-)
+INIT_STD = 0.05  # wide, so that random models' greedy choices are not near-ties
 
-INIT_STD = 0.05
-WEIGHTS_NOTE = "random weights (trained pair comes with the training pipeline)"
-
+# The random test target (the shapes of the first, untrained built-in pair).
 TARGET_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
+    **lm.BASE_LLAMA_CONFIG,
     "vocab_size": TOKENIZER_VOCAB_SIZE,
     "hidden_size": 128,
     "intermediate_size": 384,
@@ -72,224 +51,19 @@ TARGET_CONFIG: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 32,
-    "max_position_embeddings": 2048,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 0,
-    "attention_bias": False,
-    "mlp_bias": False,
-    "hidden_act": "silu",
     "initializer_range": INIT_STD,
-    "torch_dtype": "bfloat16",
-}
-
-DRAFT_OVERRIDES: dict[str, Any] = {
-    "hidden_size": 64,
-    "intermediate_size": 192,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
 }
 
 EAGLE3_DRAFT_VOCAB_SIZE = 1024
-
-# Seed offsets so that the three models never share a random stream.
-TARGET_SEED_OFFSET = 0
 EAGLE3_SEED_OFFSET = 1
-DRAFT_SEED_OFFSET = 2
-
-
-@dataclass
-class Corpus:
-    """Texts read for the tokenizer, with what is needed to describe them."""
-
-    folder: Path
-    files: list[str] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    num_bytes: int = 0
-    sha256: str = ""
-
-    def describe(self) -> dict[str, Any]:
-        """Return the JSON-able description recorded in the manifest."""
-        return {
-            "folder": str(self.folder),
-            "num_files": len(self.files),
-            "bytes": self.num_bytes,
-            "sha256": self.sha256,
-            "first_file": self.files[0] if self.files else None,
-            "last_file": self.files[-1] if self.files else None,
-            "python_version": sys.version.split()[0],
-        }
-
-
-# --------------------------------------------------------------------------- corpus
-
-
-def default_corpus_dir() -> Path:
-    """Return the folder of this interpreter's standard library."""
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def corpus_files(folder: Path) -> list[Path]:
-    """Return the ``*.py`` files under ``folder``, sorted by relative path, test folders skipped."""
-    found = []
-    for path in folder.rglob("*.py"):
-        rel = path.relative_to(folder)
-        if SKIPPED_DIRS.isdisjoint(rel.parts[:-1]) and path.is_file():
-            found.append(path)
-    return sorted(found, key=lambda p: p.relative_to(folder).as_posix())
-
-
-def collect_corpus(
-    folder: Path, max_bytes: int = DEFAULT_MAX_CORPUS_BYTES, show_progress: bool = True
-) -> Corpus:
-    """Read files in order until the next one would pass ``max_bytes``; decode as UTF-8."""
-    corpus = Corpus(folder=folder)
-    digest = hashlib.sha256()
-    for path in tqdm(corpus_files(folder), desc="read corpus", disable=not show_progress):
-        data = path.read_bytes()
-        if corpus.num_bytes + len(data) > max_bytes:
-            break
-        corpus.files.append(path.relative_to(folder).as_posix())
-        corpus.texts.append(data.decode("utf-8", errors="replace"))
-        corpus.num_bytes += len(data)
-        digest.update(data)
-    if not corpus.texts:
-        raise ValueError(f"no *.py files read from {folder} (max_bytes={max_bytes})")
-    corpus.sha256 = digest.hexdigest()
-    return corpus
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-
-def train_tokenizer(
-    texts: Sequence[str], vocab_size: int = TOKENIZER_VOCAB_SIZE, show_progress: bool = True
-) -> Any:
-    """Train a byte-level BPE (no normaliser, no prefix space) on ``texts``; return it.
-
-    Ids 0 and 1 are ``<|endoftext|>`` and ``<|pad|>``; every byte is in the
-    initial alphabet, so any text encodes, and decoding gives the text back.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=show_progress,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
-    return tokenizer
-
-
-def tokenizer_config() -> dict[str, Any]:
-    """Return tokenizer_config.json for ``AutoTokenizer`` (a plain PreTrainedTokenizerFast)."""
-    added = {
-        str(i): {
-            "content": tok,
-            "lstrip": False,
-            "normalized": False,
-            "rstrip": False,
-            "single_word": False,
-            "special": True,
-        }
-        for i, tok in enumerate(SPECIAL_TOKENS)
-    }
-    return {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": EOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": MODEL_MAX_LENGTH,
-        "added_tokens_decoder": added,
-    }
-
-
-def write_json(path: Path, obj: Any) -> Path:
-    """Write ``obj`` as indented, key-sorted JSON with a trailing newline."""
-    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    return path
-
-
-def write_tokenizer(tokenizer: Any, out_dir: Path) -> list[Path]:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok_path = out_dir / "tokenizer.json"
-    tokenizer.save(str(tok_path), pretty=False)
-    special = {"bos_token": EOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
-    return [
-        tok_path,
-        write_json(out_dir / "tokenizer_config.json", tokenizer_config()),
-        write_json(out_dir / "special_tokens_map.json", special),
-    ]
-
-
-def copy_tokenizer(src_dir: Path, dst_dir: Path) -> list[Path]:
-    """Copy the tokenizer files from ``src_dir`` to ``dst_dir``."""
-    dst_dir.mkdir(parents=True, exist_ok=True)
-    return [Path(shutil.copyfile(src_dir / name, dst_dir / name)) for name in TOKENIZER_FILES]
-
-
-def count_tokens(tokenizer: Any, texts: Sequence[str], show_progress: bool = True) -> np.ndarray:
-    """Return how often each token id occurs in ``texts`` (int64, length = vocab size)."""
-    counts = np.zeros(tokenizer.get_vocab_size(), dtype=np.int64)
-    batch = 64
-    for start in tqdm(range(0, len(texts), batch), desc="count tokens", disable=not show_progress):
-        for enc in tokenizer.encode_batch(list(texts[start : start + batch])):
-            counts += np.bincount(np.asarray(enc.ids, dtype=np.int64), minlength=len(counts))
-    return counts
 
 
 # --------------------------------------------------------------------------- llama
 
 
 def llama_config_dict(config_overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Return the target's config values with ``config_overrides`` applied."""
-    values = dict(TARGET_CONFIG)
-    values.update(config_overrides or {})
-    return values
-
-
-def patch_config_json(path: Path, values: dict[str, Any]) -> None:
-    """Add the flat ``rope_theta`` and ``torch_dtype`` keys that older loaders read.
-
-    transformers 5 writes ``rope_parameters`` and ``dtype`` instead; SGLang,
-    vLLM and transformers 4 read the older names, and 5 accepts both.
-    """
-    config = json.loads(path.read_text(encoding="utf-8"))
-    config["rope_theta"] = values["rope_theta"]
-    config["torch_dtype"] = values["torch_dtype"]
-    write_json(path, config)
-
-
-@contextmanager
-def transformers_progress(enabled: bool) -> Iterator[None]:
-    """Turn transformers' own progress bars on or off for the block, then restore them."""
-    from transformers.utils import logging as hf_logging
-
-    before = hf_logging.is_progress_bar_enabled()
-    if enabled:
-        hf_logging.enable_progress_bar()
-    else:
-        hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if before:
-            hf_logging.enable_progress_bar()
-        else:
-            hf_logging.disable_progress_bar()
+    """Return the random test target's config values with ``config_overrides`` applied."""
+    return {**TARGET_CONFIG, **(config_overrides or {})}
 
 
 def write_llama(
@@ -300,24 +74,13 @@ def write_llama(
 ) -> Path:
     """Save a random-weight ``LlamaForCausalLM`` (bfloat16 safetensors) into ``out_dir``.
 
-    The config is the built-in target's with ``config_overrides`` applied (any
+    The config is :data:`TARGET_CONFIG` with ``config_overrides`` applied (any
     ``LlamaConfig`` field, e.g. ``{"vocab_size": 1000}``); weights are drawn
-    after ``torch.manual_seed(seed)``. When ``tokenizer_dir`` is given its
-    tokenizer files are copied alongside. Returns ``out_dir``.
+    after seeding with ``seed``. When ``tokenizer_dir`` is given its tokenizer
+    files are copied alongside. Returns ``out_dir``.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    values = llama_config_dict(config_overrides)
-    kwargs = {k: v for k, v in values.items() if k not in ("torch_dtype", "model_type")}
-    config = LlamaConfig(**kwargs)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(getattr(torch, values["torch_dtype"]))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    patch_config_json(out_dir / "config.json", values)
-    if tokenizer_dir is not None:
-        copy_tokenizer(tokenizer_dir, out_dir)
-    return out_dir
+    model = lm.build_llama(llama_config_dict(config_overrides), seed)
+    return lm.save_llama(model, out_dir, tokenizer_dir)
 
 
 # --------------------------------------------------------------------------- eagle-3
@@ -456,149 +219,12 @@ def write_eagle3_head(
     return out_dir
 
 
-# --------------------------------------------------------------------------- manifest
-
-
-def sha256_file(path: Path) -> str:
-    """Return the hex sha256 of the file at ``path``."""
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def file_digests(root: Path, folders: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Return relative path -> {sha256, bytes} for every file under ``root``/``folders``."""
-    paths = sorted(p for name in folders for p in (root / name).rglob("*") if p.is_file())
-    return {
-        p.relative_to(root).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-        for p in paths
-    }
-
-
-def library_versions() -> dict[str, str]:
-    """Return the versions of the libraries whose output the files depend on."""
-    import safetensors
-    import tokenizers
-    import transformers
-
-    return {
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "safetensors": safetensors.__version__,
-        "numpy": np.__version__,
-    }
-
-
-def write_manifest(
-    out_dir: Path, command: str, seed: int, corpus: Corpus, folders: Sequence[str]
-) -> Path:
-    """Write ``out_dir``/manifest.json describing how the files were made and their digests."""
-    manifest = {
-        "command": command,
-        "seed": seed,
-        "note": WEIGHTS_NOTE,
-        "corpus": corpus.describe(),
-        "versions": library_versions(),
-        "files": file_digests(out_dir, folders),
-    }
-    return write_json(out_dir / "manifest.json", manifest)
-
-
-# --------------------------------------------------------------------------- build
-
-
-def build_all(
-    out_dir: Path = DEFAULT_OUT,
-    seed: int = DEFAULT_SEED,
-    corpus_dir: Path | None = None,
-    max_corpus_bytes: int = DEFAULT_MAX_CORPUS_BYTES,
-    command: str | None = None,
-    show_progress: bool = True,
-) -> Path:
-    """Build target/, eagle3/, draft/ and manifest.json under ``out_dir``; return ``out_dir``.
-
-    Those three folders are removed first, so no stale file survives.
-    """
-    folders = ("target", "eagle3", "draft")
-    for name in folders:
-        if (out_dir / name).exists():
-            shutil.rmtree(out_dir / name)
-    corpus = collect_corpus(corpus_dir or default_corpus_dir(), max_corpus_bytes, show_progress)
-    tokenizer = train_tokenizer(corpus.texts, TOKENIZER_VOCAB_SIZE, show_progress)
-    target_dir = out_dir / "target"
-    write_tokenizer(tokenizer, target_dir)
-    counts = count_tokens(tokenizer, corpus.texts, show_progress)
-    # A small --corpus may not reach the full vocabulary: size the models to the tokenizer.
-    vocab = tokenizer.get_vocab_size()
-    draft_vocab = min(EAGLE3_DRAFT_VOCAB_SIZE, vocab)
-    with transformers_progress(show_progress):
-        steps = tqdm(total=3, desc="write models", disable=not show_progress)
-        write_llama(target_dir, {"vocab_size": vocab}, seed + TARGET_SEED_OFFSET)
-        steps.update()
-        write_eagle3_head(
-            out_dir / "eagle3", target_dir, counts, seed + EAGLE3_SEED_OFFSET, draft_vocab
-        )
-        steps.update()
-        draft_overrides = {**DRAFT_OVERRIDES, "vocab_size": vocab}
-        write_llama(out_dir / "draft", draft_overrides, seed + DRAFT_SEED_OFFSET, target_dir)
-        steps.update()
-        steps.close()
-    command = command or f"build_all(out_dir={str(out_dir)!r}, seed={seed})"
-    write_manifest(out_dir, command, seed, corpus, folders)
-    return out_dir
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse the command line."""
-    parser = argparse.ArgumentParser(
-        prog="python -m splitspec.builtin.build",
-        description="Build the built-in tokenizer, Llama target, EAGLE-3 head and standalone "
-        "draft (random weights) and a manifest of their sha256 digests.",
-    )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=DEFAULT_OUT,
-        help="output folder; its target/, eagle3/ and draft/ subfolders are replaced "
-        "(default: splitspec/builtin/models)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=DEFAULT_SEED,
-        help="base random seed; target, EAGLE-3 head and draft use seed+0, +1, +2 (default: 0)",
-    )
-    parser.add_argument(
-        "--corpus",
-        type=Path,
-        default=None,
-        help="folder of *.py files to train the tokenizer on and to count tokens for the "
-        "EAGLE-3 draft vocabulary (default: this Python's standard library)",
-    )
-    parser.add_argument(
-        "--max-corpus-bytes",
-        type=int,
-        default=DEFAULT_MAX_CORPUS_BYTES,
-        help="stop reading corpus files before this many bytes (default: 8 MiB)",
-    )
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    return parser.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the build from the command line."""
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    args = parse_args(args_list)
-    command = shlex.join(["python", "-m", "splitspec.builtin.build", *args_list])
-    out = build_all(
-        args.out, args.seed, args.corpus, args.max_corpus_bytes, command, not args.quiet
-    )
-    print(f"wrote {out}")
-    return 0
+    """Train the built-in models (the pipeline's ``builtin`` preset) from the command line."""
+    from splitspec.training import pipeline
+
+    return pipeline.main(argv, prog="python -m splitspec.builtin.build", preset="builtin",
+                         default_out=DEFAULT_OUT)
 
 
 if __name__ == "__main__":
