@@ -1,14 +1,17 @@
-"""The ``splitspec`` command: ``up`` (the stack as local processes), ``generate``, ``status``.
+"""The ``splitspec`` command: ``up`` (the stack as local processes), ``generate``, ``status``,
+``train-draft`` (an EAGLE-3 head for any Llama-architecture target).
 
     splitspec up                         # draft, target and gateway on the built-in models
     splitspec up --generate "Once upon"  # start, stream one completion, stop
     splitspec generate "Once upon a time" --max-new-tokens 32 --stop "."
     splitspec status
+    splitspec train-draft --target ckpt/ --corpus code/ --out head/ --device cuda
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -317,6 +320,83 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- train-draft -----------------------------------------------------------------------------
+
+class TrainDraftError(Exception):
+    """An input of ``train-draft`` that cannot work; the message says what to change."""
+
+
+def eos_id_of(config: dict[str, Any], target: Path) -> int:
+    """The target's end-of-sequence id (the first one when config.json lists several)."""
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None:
+        raise TrainDraftError(f"{target}/config.json has no eos_token_id; add the id that ends a "
+                              f"document (it separates corpus files in the training blocks)")
+    return int(eos)
+
+
+def train_draft(args: argparse.Namespace) -> int:
+    """Tokenize the corpus with the target's tokenizer, pack it, train and write the head."""
+    import torch
+
+    from splitspec.training import data
+    from splitspec.training.eagle3 import Eagle3TrainConfig, train_eagle3
+
+    target, corpus_dir = args.target, args.corpus
+    for name in ("config.json", "tokenizer.json"):
+        if not (target / name).is_file():
+            raise TrainDraftError(f"--target {target} is not a checkpoint folder: it has no {name}")
+    if not corpus_dir.is_dir():
+        raise TrainDraftError(f"--corpus {corpus_dir} does not exist or is not a folder")
+    if args.draft_vocab_size < 0:
+        raise TrainDraftError(f"--draft-vocab-size must be 0 (the target's vocabulary) or more, "
+                              f"got {args.draft_vocab_size}")
+    config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+    eos_id = eos_id_of(config, target)
+    try:
+        corpus = data.collect_corpus([data.folder_source(corpus_dir)], args.max_corpus_bytes)
+    except ValueError as exc:  # nothing readable: the command's failure, said plainly
+        raise TrainDraftError(f"--corpus {corpus_dir} is empty: {exc}") from exc
+    docs = data.tokenize(data.load_tokenizer(target), corpus.texts)
+    block_len = min(args.block_len, config.get("max_position_embeddings", args.block_len))
+    num_tokens = sum(len(ids) + 1 for ids in docs)
+    if num_tokens < block_len:
+        raise TrainDraftError(f"--corpus {corpus_dir} has {num_tokens} tokens, fewer than one "
+                              f"block of {block_len}: add files or lower --block-len")
+    blocks = data.pack_ids(docs, block_len, eos_id)
+    print(f"splitspec train-draft: {len(corpus.files)} files, {num_tokens} tokens, "
+          f"{len(blocks)} blocks of {block_len}", file=sys.stderr)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = Eagle3TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                            ttt_steps=args.ttt_steps, seed=args.seed, device=device,
+                            draft_vocab_size=args.draft_vocab_size)
+    result = train_eagle3(target, blocks, args.out, cfg,
+                          data.count_tokens(docs, config["vocab_size"]))
+    accuracy = " ".join(f"{a:.3f}" for a in result.step_accuracy)
+    print(f"wrote an EAGLE-3 head to {result.out_dir} (final loss {result.final_loss:.3f}, "
+          f"top-1 agreement with the target by step: {accuracy})\n"
+          f"serve it with SplitSpec:\n"
+          f"  python -m draft_service --model {result.out_dir} --target-model {target}\n"
+          f"  python -m target_service --model {target} --draft localhost:50053\n"
+          f"or with SGLang / vLLM (the same folder):\n"
+          f"  python -m sglang.launch_server --model-path {target} --speculative-algorithm EAGLE3 "
+          f"--speculative-draft-model-path {result.out_dir}\n"
+          f"  vllm serve {target} --speculative-config "
+          f"'{{\"method\": \"eagle3\", \"model\": \"{result.out_dir}\", "
+          f"\"num_speculative_tokens\": 3}}'")
+    return 0
+
+
+def cmd_train_draft(args: argparse.Namespace) -> int:
+    try:
+        return train_draft(args)
+    except TrainDraftError as exc:  # the command's failure: printed, exit code 2
+        print(f"splitspec train-draft: {exc}", file=sys.stderr)
+        return 2
+
+
 # --- parser --------------------------------------------------------------------------------
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -382,6 +462,35 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--address", default="localhost:50051", help="gateway address")
     status.add_argument("--timeout-s", type=float, default=10.0, help="RPC deadline")
     status.set_defaults(func=cmd_status)
+
+    train = commands.add_parser(
+        "train-draft", formatter_class=formatter,
+        help="train an EAGLE-3 head for a Llama-architecture target",
+        description="Tokenize every code / text file under --corpus (recursively, sorted) with "
+                    "the target's tokenizer.json, pack them into blocks, train an EAGLE-3 head on "
+                    "the target's features with the training-time-test loss, and write it to "
+                    "--out in the format SGLang, vLLM and the SplitSpec draft service load.")
+    train.add_argument("--target", type=Path, required=True,
+                       help="target checkpoint folder (Hugging Face Llama: config.json, "
+                            "*.safetensors, tokenizer.json)")
+    train.add_argument("--corpus", type=Path, required=True, help="folder of training text / code")
+    train.add_argument("--out", type=Path, required=True, help="folder the head is written to")
+    train.add_argument("--draft-vocab-size", type=int, default=0,
+                       help="draft vocabulary: the N most frequent corpus ids (d2t / t2d maps); "
+                            "0 = the target's whole vocabulary")
+    train.add_argument("--steps", type=int, default=1000, help="optimizer steps")
+    train.add_argument("--batch-size", type=int, default=16, help="blocks per step")
+    train.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
+    train.add_argument("--block-len", type=int, default=512,
+                       help="tokens per block (capped at the target's max_position_embeddings)")
+    train.add_argument("--ttt-steps", type=int, default=4,
+                       help="drafting steps unrolled in the training-time-test loss")
+    train.add_argument("--max-corpus-bytes", type=int, default=256 * 2**20,
+                       help="read corpus files (sorted) until this many bytes")
+    train.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                       help="torch device (default: cuda when available, else cpu)")
+    train.add_argument("--seed", type=int, default=0, help="random seed")
+    train.set_defaults(func=cmd_train_draft)
     return parser
 
 
