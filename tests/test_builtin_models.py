@@ -13,9 +13,15 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_EAGLE3, BUILTIN_TARGET, MODELS_DIR, build
+from splitspec.model.config import read_hf_config
 from splitspec.training import data
+from splitspec.training.eagle3 import head_config
+from splitspec.training.pipeline import PRESETS
 
-V, VD, H, HT = 2048, 1024, 128, 128
+PRESET = PRESETS["builtin"]
+TARGET_CONFIG = read_hf_config(BUILTIN_TARGET)
+V, VD = TARGET_CONFIG["vocab_size"], PRESET.draft_vocab_size
+H = HT = TARGET_CONFIG["hidden_size"]
 
 SNIPPET = (
     "import os\n\n\nclass Walker:\n"
@@ -28,46 +34,32 @@ SNIPPET = (
     "  x = [1,2 , 3]  ;  y = {'a': x}\r\n"
 )
 
-EXPECTED_EAGLE3_CONFIG = {
-    "architectures": ["LlamaForCausalLMEagle3"],
-    "model_type": "llama",
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "vocab_size": 2048,
-    "draft_vocab_size": 1024,
-    "target_hidden_size": 128,
-    "max_position_embeddings": 2048,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-5,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "bos_token_id": 0,
-    "eos_token_id": 0,
-    "torch_dtype": "bfloat16",
-}
+EXPECTED_EAGLE3_CONFIG = head_config(TARGET_CONFIG, VD, PRESET.head_overrides)
 
-EXPECTED_EAGLE3_TENSORS = {
-    "fc.weight": (torch.bfloat16, (H, 3 * HT)),
-    "embed_tokens.weight": (torch.bfloat16, (V, H)),
-    "midlayer.input_layernorm.weight": (torch.bfloat16, (H,)),
-    "midlayer.hidden_norm.weight": (torch.bfloat16, (H,)),
-    "midlayer.post_attention_layernorm.weight": (torch.bfloat16, (H,)),
-    "midlayer.self_attn.q_proj.weight": (torch.bfloat16, (4 * 32, 2 * H)),
-    "midlayer.self_attn.k_proj.weight": (torch.bfloat16, (2 * 32, 2 * H)),
-    "midlayer.self_attn.v_proj.weight": (torch.bfloat16, (2 * 32, 2 * H)),
-    "midlayer.self_attn.o_proj.weight": (torch.bfloat16, (H, 4 * 32)),
-    "midlayer.mlp.gate_proj.weight": (torch.bfloat16, (384, H)),
-    "midlayer.mlp.up_proj.weight": (torch.bfloat16, (384, H)),
-    "midlayer.mlp.down_proj.weight": (torch.bfloat16, (H, 384)),
-    "norm.weight": (torch.bfloat16, (H,)),
-    "lm_head.weight": (torch.bfloat16, (VD, H)),
-    "d2t": (torch.int64, (VD,)),
-    "t2d": (torch.bool, (V,)),
-}
+
+def expected_eagle3_tensors(cfg: dict) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The SGLang / vLLM EAGLE-3 layout (names, dtypes, shapes) implied by a head's config."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    bf16 = torch.bfloat16
+    return {
+        "fc.weight": (bf16, (h, 3 * cfg["target_hidden_size"])),
+        "embed_tokens.weight": (bf16, (cfg["vocab_size"], h)),
+        "midlayer.input_layernorm.weight": (bf16, (h,)),
+        "midlayer.hidden_norm.weight": (bf16, (h,)),
+        "midlayer.post_attention_layernorm.weight": (bf16, (h,)),
+        "midlayer.self_attn.q_proj.weight": (bf16, (q, 2 * h)),
+        "midlayer.self_attn.k_proj.weight": (bf16, (kv, 2 * h)),
+        "midlayer.self_attn.v_proj.weight": (bf16, (kv, 2 * h)),
+        "midlayer.self_attn.o_proj.weight": (bf16, (h, q)),
+        "midlayer.mlp.gate_proj.weight": (bf16, (inter, h)),
+        "midlayer.mlp.up_proj.weight": (bf16, (inter, h)),
+        "midlayer.mlp.down_proj.weight": (bf16, (h, inter)),
+        "norm.weight": (bf16, (h,)),
+        "lm_head.weight": (bf16, (cfg["draft_vocab_size"], h)),
+        "d2t": (torch.int64, (cfg["draft_vocab_size"],)),
+        "t2d": (torch.bool, (cfg["vocab_size"],)),
+    }
 
 
 def sha256(path: Path) -> str:
@@ -106,9 +98,8 @@ def eagle3_tensors() -> dict[str, torch.Tensor]:
 
 
 def test_target_config_and_weights_are_bf16():
-    config = read_json(BUILTIN_TARGET / "config.json")
-    expected = {k: v for k, v in build.TARGET_CONFIG.items() if k != "initializer_range"}
-    assert {k: config.get(k) for k in expected} == expected
+    assert {k: TARGET_CONFIG[k] for k in PRESET.target} == PRESET.target
+    assert TARGET_CONFIG["architectures"] == ["LlamaForCausalLM"]
     with safe_open(BUILTIN_TARGET / "model.safetensors", "pt") as f:
         dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}  # noqa: SIM118
     assert dtypes == {"BF16"}
@@ -119,15 +110,13 @@ def test_target_config_and_weights_are_bf16():
 
 def test_target_loads_and_gives_logits(target_model, auto_tokenizer):
     assert target_model.config.vocab_size == V
-    assert target_model.config.num_hidden_layers == 6
     ids = torch.tensor([auto_tokenizer(SNIPPET)["input_ids"]])
     with torch.no_grad():
-        logits = target_model(input_ids=ids).logits
-    assert logits.shape == (1, ids.shape[1], V)
-    assert torch.isfinite(logits).all()
-    # The wide init keeps greedy choices away from ties: top-2 gaps are not all ~0.
-    top2 = logits[0].topk(2, dim=-1).values
-    assert (top2[:, 0] - top2[:, 1]).median() > 1e-3
+        out = target_model(input_ids=ids, labels=ids)
+    assert out.logits.shape == (1, ids.shape[1], V)
+    assert torch.isfinite(out.logits).all()
+    # Trained on code: this snippet (written for the test, never trained on) is predictable.
+    assert float(out.loss.exp()) < 60, f"perplexity {float(out.loss.exp()):.1f}: broken weights?"
 
 
 def test_tokenizer_round_trips_python_exactly(auto_tokenizer):
@@ -167,7 +156,7 @@ def test_eagle3_config_is_exactly_the_documented_one():
 
 def test_eagle3_tensor_names_dtypes_shapes(eagle3_tensors):
     got = {k: (t.dtype, tuple(t.shape)) for k, t in eagle3_tensors.items()}
-    assert got == EXPECTED_EAGLE3_TENSORS
+    assert got == expected_eagle3_tensors(EXPECTED_EAGLE3_CONFIG)
 
 
 def test_eagle3_d2t_t2d_consistent(eagle3_tensors):
@@ -176,7 +165,6 @@ def test_eagle3_d2t_t2d_consistent(eagle3_tensors):
     assert bool(t2d[target_ids].all())
     assert int(t2d.sum()) == VD
     assert bool((target_ids[1:] > target_ids[:-1]).all()), "draft ids sorted by target id"
-    assert int(target_ids[0]) == 0, "id 0 (<|endoftext|>) is always in the draft vocabulary"
     assert torch.equal(torch.nonzero(t2d).flatten(), target_ids)
 
 
@@ -189,10 +177,6 @@ def test_eagle3_draft_vocab_is_most_frequent_tokens(eagle3_tensors, auto_tokeniz
 def test_eagle3_embedding_is_the_targets(eagle3_tensors):
     target = load_file(BUILTIN_TARGET / "model.safetensors")
     assert torch.equal(eagle3_tensors["embed_tokens.weight"], target["model.embed_tokens.weight"])
-    for name in ("norm.weight", "midlayer.hidden_norm.weight"):
-        assert bool((eagle3_tensors[name] == 1).all())
-    std = float(eagle3_tensors["fc.weight"].float().std())
-    assert 0.04 < std < 0.06
 
 
 # --------------------------------------------------------------------------- draft
@@ -202,8 +186,8 @@ def test_draft_loads_and_shares_tokenizer(auto_tokenizer):
     from transformers import LlamaForCausalLM
 
     draft = LlamaForCausalLM.from_pretrained(BUILTIN_DRAFT, dtype=torch.float32).eval()
-    assert draft.config.hidden_size == 64
-    assert draft.config.num_hidden_layers == 2
+    assert draft.config.hidden_size == PRESET.draft["hidden_size"]
+    assert draft.config.num_hidden_layers == PRESET.draft["num_hidden_layers"]
     assert draft.config.vocab_size == V
     ids = torch.tensor([auto_tokenizer(SNIPPET)["input_ids"]])
     with torch.no_grad():
@@ -227,17 +211,17 @@ def test_manifest_matches_files_on_disk():
         path = MODELS_DIR / rel
         assert sha256(path) == entry["sha256"], f"stale manifest entry for {rel}"
         assert path.stat().st_size == entry["bytes"]
-    assert manifest["command"].startswith("python -m splitspec.builtin.build")
+    assert manifest["command"].startswith(("python -m splitspec.builtin.build",
+                                           "python -m splitspec.training.pipeline --preset builtin"))
     assert isinstance(manifest["seed"], int)
     assert manifest["corpus"]["num_files"] > 0
-    assert 0 < manifest["corpus"]["bytes"] <= data.DEFAULT_MAX_CORPUS_BYTES
+    quality = manifest["quality"]
+    assert quality["target_perplexity"] < 20 and min(quality["eagle3_step_accuracy"]) > 0.5
 
 
 def test_sizes():
-    target = sum(p.stat().st_size for p in BUILTIN_TARGET.iterdir())
     total = sum(p.stat().st_size for p in MODELS_DIR.rglob("*") if p.is_file())
-    assert target < 4 * 2**20
-    assert total < 6 * 2**20
+    assert total < 15_000_000, "the built-in pair must stay under 15 MB"
 
 
 # --------------------------------------------------------------------------- builder

@@ -21,6 +21,7 @@ from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_EAGLE3, BUILTIN_TARGET
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import InitReport
 from splitspec.kv_cache import KVCache, PagePool
+from splitspec.model.config import read_hf_config
 from splitspec.tree import Tree, depths, tree_error
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -501,7 +502,8 @@ def test_malformed_tree_fault_corrupts_every_other_tree(served, monkeypatch):
 def test_spec_info_kind_and_captured_layers(tmp_path):
     info = draft_info(read_spec(BUILTIN_EAGLE3, "auto", BUILTIN_TARGET), 1024)
     assert (info.kind, info.needs_hidden_states, info.vocab_size) == ("eagle3", True, 2048)
-    assert (info.target_hidden_size, info.target_num_layers, info.max_context) == (128, 6, 1024)
+    hidden = read_hf_config(BUILTIN_TARGET)["hidden_size"]
+    assert (info.target_hidden_size, info.target_num_layers, info.max_context) == (hidden, 6, 1024)
     assert list(info.aux_layer_inputs) == []  # default layers
     assert info.tokenizer_sha256 == read_spec(BUILTIN_DRAFT, "auto", None).tokenizer_sha256 != ""
     head = tmp_path / "head"
