@@ -24,8 +24,6 @@ from the target's. The result is written in the SGLang / vLLM layout
 from __future__ import annotations
 
 import json
-import math
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -38,7 +36,8 @@ from tqdm import tqdm
 
 from splitspec.model.config import Eagle3Config, LlamaConfig, read_hf_config
 from splitspec.model.eagle3 import Eagle3Head
-from splitspec.model.layers import _rotate_half
+from splitspec.model.layers import rotate_half
+from splitspec.training.lm import lr_factor, seed_everything
 
 
 @dataclass(frozen=True)
@@ -54,6 +53,7 @@ class Eagle3TrainConfig:
     show_progress: bool = True
     decay: float = 0.8
     warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
     grad_clip: float = 0.5
 
 
@@ -117,7 +117,7 @@ def _rope(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     pos = torch.arange(x.shape[2], device=x.device, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq[None, :].float()
     emb = torch.cat((freqs, freqs), dim=-1)
-    return x * emb.cos().to(x.dtype) + _rotate_half(x) * emb.sin().to(x.dtype)
+    return x * emb.cos().to(x.dtype) + rotate_half(x) * emb.sin().to(x.dtype)
 
 
 def _shift(x: torch.Tensor, by: int, dim: int) -> torch.Tensor:
@@ -214,21 +214,12 @@ def _init_head(cfg: dict[str, Any], target: torch.nn.Module, draft_ids: torch.Te
     return head
 
 
-def _lr_at(step: int, cfg: Eagle3TrainConfig) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def train_eagle3(target_dir: Path, train_blocks: torch.Tensor, out_dir: Path,
                  cfg: Eagle3TrainConfig, token_counts: np.ndarray | None = None) -> Eagle3TrainResult:
     """Train a head on the target's features of train_blocks [N, T] and write it to out_dir."""
     from transformers import LlamaForCausalLM  # training-only dependency
 
-    random.seed(cfg.seed)
-    np.random.seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
+    seed_everything(cfg.seed)
     device = torch.device(cfg.device)
     target_cfg = read_hf_config(target_dir)
     layers = LlamaConfig.from_hf(target_cfg).num_layers
@@ -248,7 +239,7 @@ def train_eagle3(target_dir: Path, train_blocks: torch.Tensor, out_dir: Path,
         rows = torch.randint(0, train_blocks.shape[0], (cfg.batch_size,), generator=gen)
         batch = _target_batch(target, train_blocks[rows].to(device), capture, draft_ids_dev)
         for group in optim.param_groups:
-            group["lr"] = _lr_at(step, cfg)
+            group["lr"] = cfg.lr * lr_factor(step, cfg)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             loss, acc = ttt_loss(head, batch, cfg.ttt_steps, cfg.decay)
         optim.zero_grad(set_to_none=True)

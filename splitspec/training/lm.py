@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -144,7 +144,15 @@ def distillation_loss(teacher: LlamaForCausalLM) -> LossFn:
 # --------------------------------------------------------------------------- training
 
 
-def lr_factor(step: int, cfg: TrainConfig) -> float:
+class Schedule(Protocol):
+    """What a learning-rate schedule reads from a training config."""
+
+    steps: int
+    warmup_steps: int
+    min_lr_ratio: float
+
+
+def lr_factor(step: int, cfg: Schedule) -> float:
     """Multiplier of the peak lr at ``step``: linear warmup, then cosine to ``min_lr_ratio``."""
     warmup = min(cfg.warmup_steps, cfg.steps // 10)
     if step < warmup:
