@@ -1,0 +1,110 @@
+"""Speculation is an optimization, never a dependency: toggling it, or losing the draft,
+never changes greedy output, and speculation resumes when the draft comes back."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import queue
+import time
+
+import grpc
+import pytest
+
+from splitspec.builtin import BUILTIN_TARGET
+from splitspec.tokenizer import load_tokenizer
+from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.stack import Service
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["def parse(text):\n", "class Config:\n", "import sys\n\n", "for key in sorted(",
+           "    return self._", "with open(path, 'rb') as f:\n"]
+TREE = common_pb2.DraftShape(num_draft_tokens=8, topk=4, num_steps=4)
+
+
+def policy(speculate: bool) -> target_pb2.ServeRequest:
+    entries = [target_pb2.SpecPolicy.Entry(max_batch_size=2**32 - 1, shape=TREE)] if speculate else []
+    return target_pb2.ServeRequest(policy=target_pb2.SpecPolicy(entries=entries))
+
+
+def serve(target: Service, prompts: list[list[int]], max_new: int, toggle_every: int = 0,
+          speculate: bool = True) -> tuple[dict[int, list[int]], list[target_pb2.StepStats]]:
+    """Run prompts on one Serve stream; every `toggle_every` events flip the policy."""
+    requests: queue.Queue = queue.Queue()
+    requests.put(policy(speculate))
+    for rid, ids in enumerate(prompts):
+        requests.put(target_pb2.ServeRequest(admit=target_pb2.Admit(
+            request_id=rid, prompt_ids=ids, max_new_tokens=max_new, ignore_eos=True,
+            speculation=common_pb2.SPECULATION_MODE_AUTO)))
+    out = {rid: [] for rid in range(len(prompts))}
+    steps, done, events = [], 0, 0
+    with grpc.insecure_channel(target.address) as channel:
+        call = target_pb2_grpc.TargetStub(channel).Serve(iter(requests.get, None), timeout=120)
+        for event in call:
+            events += 1
+            steps.append(event.stats)
+            if toggle_every and events % toggle_every == 0:
+                speculate = not speculate
+                requests.put(policy(speculate))
+            for delta in event.deltas:
+                out[delta.request_id].extend(delta.token_ids)
+                done += bool(delta.finish_reason)
+            if done == len(prompts):
+                break
+        call.cancel()
+    return out, steps
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tokenizer = load_tokenizer(BUILTIN_TARGET)
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts):
+    draft = Service("draft_service", [], tmp_path).wait_serving()
+    target = Service("target_service", ["--draft", draft.address], tmp_path).wait_serving()
+    try:
+        plain, _ = serve(target, prompts, 48, speculate=False)
+        toggled, steps = serve(target, prompts, 48, toggle_every=3)
+    finally:
+        target.stop()
+        draft.stop()
+    assert toggled == plain
+    assert any(s.speculated for s in steps) and any(not s.speculated for s in steps[1:])
+
+
+def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts):
+    draft = Service("draft_service", [], tmp_path).wait_serving()
+    target = Service("target_service", ["--draft", draft.address, "--draft-timeout-s", "1"],
+                     tmp_path).wait_serving()
+    gateway = Service("gateway", ["--target", target.address], tmp_path).wait_serving()
+    stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+
+    def generate(text: str, mode: int) -> gateway_pb2.GenerateResponse:
+        return stub.Generate(gateway_pb2.GenerateRequest(
+            text=text, speculation=mode, include_token_ids=True,
+            stopping=gateway_pb2.StoppingParams(max_new_tokens=160, ignore_eos=True)), timeout=120)
+
+    try:
+        expected = [list(generate(t, common_pb2.SPECULATION_MODE_OFF).token_ids) for t in PROMPTS]
+        with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+            running = [pool.submit(generate, t, common_pb2.SPECULATION_MODE_ON) for t in PROMPTS]
+            time.sleep(0.5)
+            draft.proc.kill()  # no goodbye: the stream just breaks
+            replies = [f.result() for f in running]
+        assert [list(r.token_ids) for r in replies] == expected
+        assert all(r.finish_reason == common_pb2.FINISH_REASON_LENGTH for r in replies)
+        # Each request speculated before the kill and decoded plainly after it.
+        assert all(r.spec.verify_steps > 0 and r.spec.plain_steps > 0 for r in replies), replies
+        assert "decodes without speculation" in target.log
+        assert gateway.health() == 1 and target.health() == 1  # still SERVING
+        # The draft comes back on the same port: speculation resumes, output unchanged.
+        draft = Service("draft_service", [], tmp_path, port=draft.port).wait_serving()
+        time.sleep(2.5)  # the target retries the draft stream every 2 s
+        again = generate(PROMPTS[0], common_pb2.SPECULATION_MODE_ON)
+        assert list(again.token_ids) == expected[0]
+        assert again.spec.verify_steps > 0, "speculation did not resume after the draft restarted"
+    finally:
+        for service in (gateway, target, draft):
+            service.stop()
