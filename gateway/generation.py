@@ -123,7 +123,7 @@ class RequestRun:
             max_new_tokens=request.max_new_tokens,
             stop_token_ids=request.stop_token_ids,
             ignore_eos=request.ignore_eos,
-            sampling=common_pb2.SamplingParams(),
+            sampling=request.sampling,
             speculation=request.speculation,
         )
 

@@ -7,13 +7,11 @@ wrong; nothing here changes gateway state, so a bad request leaves the gateway h
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from splitspec.grpc_server import invalid
 from splitspec.tokenizer import ModelTokenizer
 from splitspec.v1 import common_pb2, gateway_pb2
-
-SAMPLING_UNSUPPORTED = "sampling is not supported yet: only greedy (temperature 0)"
 
 
 @dataclass(frozen=True)
@@ -29,7 +27,7 @@ class Limits:
 class GenerationRequest:
     """A validated request. Invariants: prompt_ids is non-empty and every id (prompt and
     stop ids) is < vocab_size; 1 <= max_new_tokens; len(prompt_ids) + max_new_tokens <=
-    max_context; stop strings are non-empty; sampling is greedy."""
+    max_context; stop strings are non-empty; sampling values are in range."""
 
     prompt_ids: tuple[int, ...]
     max_new_tokens: int
@@ -38,6 +36,7 @@ class GenerationRequest:
     ignore_eos: bool
     speculation: int  # a common_pb2.SpeculationMode value
     include_token_ids: bool
+    sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)
 
 
 def validate(request: gateway_pb2.GenerateRequest, limits: Limits,
@@ -62,6 +61,7 @@ def validate(request: gateway_pb2.GenerateRequest, limits: Limits,
         ignore_eos=stopping.ignore_eos,
         speculation=request.speculation,
         include_token_ids=request.include_token_ids,
+        sampling=request.sampling,
     )
 
 
@@ -118,14 +118,10 @@ def check_speculation(mode: int) -> None:
 
 
 def check_sampling(sampling: common_pb2.SamplingParams) -> None:
-    """Only greedy decoding is supported; malformed values are named first."""
+    """Temperature >= 0 (0 = greedy), top_p in [0, 1] (0 or 1 = off), top_k >= 0 (0 = off)."""
     if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
         raise invalid(f"temperature must be >= 0 (got {sampling.temperature})")
     if not 0 <= sampling.top_p <= 1:
         raise invalid(f"top_p must be in [0, 1] (got {sampling.top_p})")
     if sampling.top_k < 0:
         raise invalid(f"top_k must be >= 0 (got {sampling.top_k})")
-    is_sampling = (sampling.temperature > 0 or sampling.top_k > 0 or 0 < sampling.top_p < 1
-                   or sampling.HasField("seed"))
-    if is_sampling:
-        raise invalid(SAMPLING_UNSUPPORTED)

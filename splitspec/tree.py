@@ -76,19 +76,26 @@ class Acceptance(NamedTuple):
     tokens: list[int]  # the tokens to commit: accepted nodes' tokens then the bonus token
 
 
-def greedy_accept(tree: Tree, argmax: list[int]) -> Acceptance:
-    """Walk from the root, accepting the child whose token is the target's argmax at its parent.
+def accept_tree(tree: Tree, chosen: list[int]) -> Acceptance:
+    """Walk from the root, accepting the child whose token is the target's choice at its parent.
 
-    ``argmax[i]`` is the target's greedy token after tree index i. The bonus
-    token is the argmax at the last accepted node, so at least one token is
-    always committed, and the result equals plain greedy decoding.
+    ``chosen[i]`` is the token the target picks after tree index i: its argmax
+    (greedy), or ONE independent sample from its distribution at that node
+    (sampling). The last token committed is the choice at the last accepted
+    node, so at least one token is always committed.
+
+    Why this is exact for a deterministic (top-k) draft: every committed token
+    is the target's own choice in exactly the context it is committed in; the
+    draft only decides which of those choices were computed in this forward
+    pass. (Accepting child x when the sample lands on it is the "sample from p,
+    accept the child it lands on, else keep the sample" rule; REFERENCE.md.)
     """
     children: dict[int, list[int]] = {}
     for i, parent in enumerate(tree.parents, start=1):
         children.setdefault(parent, []).append(i)
     path, out, node = [], [], 0
     while True:
-        want = argmax[node]
+        want = chosen[node]
         nxt = next((c for c in children.get(node, ()) if tree.tokens[c - 1] == want), None)
         out.append(want)
         if nxt is None:

@@ -25,7 +25,8 @@ from splitspec.attention.base import AttentionBackend, SeqAttention
 from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.llama import LlamaForCausalLM
-from splitspec.tree import EMPTY_TREE, Tree, greedy_accept, positions, tree_error, verify_mask
+from splitspec.sampling import SamplingParams, choose
+from splitspec.tree import EMPTY_TREE, Tree, accept_tree, positions, tree_error, verify_mask
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
 from target_service.draft_client import DraftLink
 from target_service.scheduler import Scheduler
@@ -47,7 +48,7 @@ class EngineLimits:
 
 
 class _ForwardResult(NamedTuple):
-    argmax: list[int]          # greedy token per logit row, in batch order
+    chosen: list[int]          # the target's token per logit row (argmax or sample), batch order
     aux: torch.Tensor | None   # [T, k * H] captured features of every new token
     starts: list[int]          # query range of batch entry i: [starts[i], starts[i + 1])
 
@@ -123,6 +124,7 @@ class Engine:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, mode: int,
                  policy: target_pb2.SpecPolicy | None = None,
+                 sampling: common_pb2.SamplingParams | None = None,
                  timeout_s: float = 60.0) -> tuple[list[int], common_pb2.SpecStats]:
         """Run one request through the live loop, on a stream of its own (warmup and tests)."""
         stream_id, outbox = self.open_stream()
@@ -130,7 +132,7 @@ class Engine:
             self.submit(stream_id, target_pb2.ServeRequest(policy=policy))
         self.submit(stream_id, target_pb2.ServeRequest(admit=target_pb2.Admit(
             request_id=1, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
-            ignore_eos=True, speculation=mode)))
+            ignore_eos=True, speculation=mode, sampling=sampling)))
         tokens: list[int] = []
         deadline = time.monotonic() + timeout_s
         try:
@@ -192,7 +194,8 @@ class Engine:
             request_id=admit.request_id, stream_id=stream_id, prompt_ids=list(admit.prompt_ids),
             max_new_tokens=admit.max_new_tokens, stop_ids=frozenset(stop_ids),
             speculation=admit.speculation, table=PageTable(self.cache.page_size),
-            seq_id=next(self._seq_ids))
+            seq_id=next(self._seq_ids), sampling=SamplingParams.from_pb(admit.sampling))
+        seq.generator = seq.sampling.generator(self.device)
         problem = self._admission_error(seq)
         if problem:
             self._emit(seq, [], common_pb2.FINISH_REASON_ERROR, problem)
@@ -210,6 +213,9 @@ class Engine:
             return f"token id {max(seq.prompt_ids)} >= vocabulary size {self.limits.vocab_size}"
         if not self.scheduler.can_ever_fit(seq):
             return "the KV cache is too small for this request"
+        params = seq.sampling
+        if params.temperature < 0 or params.top_k < 0 or not 0 <= params.top_p <= 1:
+            return f"invalid sampling parameters {params}"
         return ""
 
     def _close(self, stream_id: int) -> None:
@@ -352,22 +358,36 @@ class Engine:
             out = self.model(torch.cat(ids).to(self.device), torch.cat(pos).to(self.device), ctx,
                              self.capture)
             rows = torch.tensor(logit_rows, device=self.device)
-            argmax = self.model.compute_logits(out.hidden[rows]).argmax(dim=-1).tolist()
-        return _ForwardResult(argmax, out.aux, starts)
+            logits = self.model.compute_logits(out.hidden[rows])
+            chosen = self._choose(logits, prefill, decode, trees)
+        return _ForwardResult(chosen, out.aux, starts)
+
+    def _choose(self, logits: torch.Tensor, prefill: list[Sequence], decode: list[Sequence],
+                trees: dict[int, Tree]) -> list[int]:
+        """The target's token after every logit row: argmax, or one sample per row for
+        sequences that sample (each from its own generator)."""
+        chosen = logits.argmax(dim=-1).tolist()
+        row = 0
+        for seq in [*prefill, *decode]:
+            num = 1 if not seq.is_prefilled else 1 + trees.get(seq.seq_id, EMPTY_TREE).num_nodes
+            if not seq.sampling.is_greedy:
+                chosen[row: row + num] = choose(logits[row: row + num], seq.sampling, seq.generator)
+            row += num
+        return chosen
 
     def _commit(self, prefill: list[Sequence], decode: list[Sequence], trees: dict[int, Tree],
                 result: _ForwardResult) -> tuple[int, int]:
         """Accept, compact and emit for every sequence; returns (drafted, accepted) tokens."""
-        argmax, aux, starts = result
+        chosen, aux, starts = result
         for i, seq in enumerate(prefill):
-            self._commit_prefill(seq, argmax[i], aux, starts[i], starts[i + 1])
+            self._commit_prefill(seq, chosen[i], aux, starts[i], starts[i + 1])
         drafted = accepted = 0
         cursor = len(prefill)
         for i, seq in enumerate(decode, start=len(prefill)):
             tree = trees.get(seq.seq_id, EMPTY_TREE)
-            greedy = argmax[cursor: cursor + 1 + tree.num_nodes]
+            picks = chosen[cursor: cursor + 1 + tree.num_nodes]
             cursor += 1 + tree.num_nodes
-            accepted += self._commit_decode(seq, tree, greedy, aux, starts[i])
+            accepted += self._commit_decode(seq, tree, picks, aux, starts[i])
             drafted += tree.num_nodes
         return drafted, accepted
 
@@ -380,10 +400,10 @@ class Engine:
             seq.features.append(aux[lo:hi])
         self._emit_tokens(seq, [token])
 
-    def _commit_decode(self, seq: Sequence, tree: Tree, greedy: list[int],
+    def _commit_decode(self, seq: Sequence, tree: Tree, chosen: list[int],
                        aux: torch.Tensor | None, lo: int) -> int:
         """Accept, compact the KV cache to the accepted path, commit tokens; returns accepted count."""
-        acceptance = greedy_accept(tree, greedy)
+        acceptance = accept_tree(tree, chosen)
         length = seq.num_cached
         kept = [0, *acceptance.path]  # tree indices whose K/V stays: root then accepted nodes
         moved = [(length + src, length + dst) for dst, src in enumerate(kept) if src != dst]

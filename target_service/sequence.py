@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitspec.kv_cache import PageTable
+from splitspec.sampling import SamplingParams
 from splitspec.spec_stats import SpecCounters
 from splitspec.v1 import common_pb2
 
@@ -54,6 +55,8 @@ class Sequence:
     speculation: int  # common_pb2.SpeculationMode
     table: PageTable
     seq_id: int  # unique within this target process (the draft's key)
+    sampling: SamplingParams = SamplingParams()
+    generator: torch.Generator | None = None  # the request's random stream (None: greedy)
     arrived_at: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     tokens: list[int] = field(default_factory=list)  # committed: prompt + generated

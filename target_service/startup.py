@@ -137,11 +137,22 @@ def draft_mismatches(info: object, spec: ModelSpec) -> list[str]:
 
 
 def warmup(engine: Engine, has_draft: bool, default_shape: common_pb2.DraftShape) -> Detailed:
-    """Real generations through every path: plain, and with a draft tree and a chain.
+    """Real generations through every path: plain, and with a draft tree and a chain, greedy
+    and sampled.
 
-    Greedy speculation must reproduce plain decoding exactly; a mismatch fails start-up.
+    Greedy speculation must reproduce plain decoding exactly, and a seeded sampled request
+    must reproduce itself; a mismatch fails start-up.
     """
     plain, _ = engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS, common_pb2.SPECULATION_MODE_OFF)
+    sampled = common_pb2.SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=1)
+    modes = [common_pb2.SPECULATION_MODE_OFF] + ([common_pb2.SPECULATION_MODE_ON] if has_draft
+                                                  else [])
+    for mode in modes:
+        runs = [engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS, mode, sampling=sampled)[0]
+                for _ in range(2)]
+        if runs[0] != runs[1]:
+            raise RuntimeError(f"a seeded sampled request gave {runs[0]}, then {runs[1]} "
+                               f"({common_pb2.SpeculationMode.Name(mode)})")
     if not has_draft:
         return Detailed(None, "plain decoding ran (no draft)")
     chain = common_pb2.DraftShape(num_draft_tokens=default_shape.num_steps, topk=1,
@@ -155,7 +166,7 @@ def warmup(engine: Engine, has_draft: bool, default_shape: common_pb2.DraftShape
         if stats.verify_steps == 0:
             raise RuntimeError(f"warmup with a {name} never verified a draft tree "
                                f"(plain steps {stats.plain_steps}, rejected {stats.rejected_trees})")
-    return Detailed(None, "plain, tree and chain generations agree")
+    return Detailed(None, "plain, tree and chain generations agree; seeded sampling reproduces")
 
 
 def start_server(cfg: TargetConfig, servicer: TargetServicer) -> Detailed:

@@ -165,8 +165,8 @@ BAD_INPUTS = [
     (gateway_pb2.GenerateRequest(text="hi", stopping=gateway_pb2.StoppingParams(
         max_new_tokens=10**9)), "max_new_tokens"),
     (gateway_pb2.GenerateRequest(text="hi", speculation=7), "speculation"),
-    (gateway_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(temperature=0.7)),
-     "sampling"),
+    (gateway_pb2.GenerateRequest(text="hi", sampling=common_pb2.SamplingParams(top_p=1.5)),
+     "top_p"),
 ]
 
 
@@ -272,3 +272,18 @@ def test_trained_eagle3_head_reaches_minimum_acceptance_on_heldout_code(eagle_st
         accepted += reply.spec.accepted_tokens
     # Measured 2.5 per verify step (docs/benchmarks.md); random weights give 0.
     assert accepted / verify > 1.5, (accepted, verify)
+
+
+def test_seeded_sampling_reproduces_and_seeds_differ(eagle_stack):
+    stub = gateway_stub(eagle_stack[2])
+
+    def sample(seed, mode=ON):
+        return list(stub.Generate(gateway_pb2.GenerateRequest(
+            text=PROMPTS[0], speculation=mode, include_token_ids=True,
+            sampling=common_pb2.SamplingParams(temperature=1.0, top_p=0.95, seed=seed),
+            stopping=gateway_pb2.StoppingParams(max_new_tokens=32, ignore_eos=True)),
+            timeout=60).token_ids)
+
+    assert sample(7) == sample(7)
+    assert sample(7, OFF) == sample(7, OFF)
+    assert len({tuple(sample(seed)) for seed in range(4)}) > 1

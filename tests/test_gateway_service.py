@@ -119,9 +119,9 @@ def test_stop_string_truncates_and_cancels(gateway: RunningGateway,
 def test_invalid_request_keeps_gateway_healthy(gateway: RunningGateway) -> None:
     stub = _stub(gateway)
     with pytest.raises(grpc.RpcError) as info:
-        stub.Generate(_request(sampling=common_pb2.SamplingParams(temperature=0.5)))
+        stub.Generate(_request(sampling=common_pb2.SamplingParams(temperature=-0.5)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "sampling is not supported yet" in info.value.details()
+    assert "temperature must be >= 0" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         list(stub.GenerateStream(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(
             ids=[1, 999999]))))

@@ -14,7 +14,7 @@ from gateway.admission import Admission
 from gateway.config import GatewayConfig, build_parser
 from gateway.policy import ANY_BATCH_SIZE, ShapeOverride, resolve_shape, static_policy
 from gateway.text_stream import StopMatcher, TextStream
-from gateway.validation import SAMPLING_UNSUPPORTED, Limits, validate
+from gateway.validation import Limits, validate
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.grpc_server import ServiceError
 from splitspec.tokenizer import (
@@ -269,10 +269,6 @@ def test_default_max_new_tokens_fits_context(small_tokenizer: ModelTokenizer) ->
     ({"stopping": gateway_pb2.StoppingParams(stop_token_ids=[100])},
      "stopping.stop_token_ids[0] = 100 is out of range"),
     ({"speculation": 7}, "unknown speculation mode 7"),
-    ({"sampling": common_pb2.SamplingParams(temperature=0.7)}, SAMPLING_UNSUPPORTED),
-    ({"sampling": common_pb2.SamplingParams(top_k=5)}, SAMPLING_UNSUPPORTED),
-    ({"sampling": common_pb2.SamplingParams(top_p=0.9)}, SAMPLING_UNSUPPORTED),
-    ({"sampling": common_pb2.SamplingParams(seed=0)}, SAMPLING_UNSUPPORTED),
     ({"sampling": common_pb2.SamplingParams(temperature=-1)}, "temperature must be >= 0"),
     ({"sampling": common_pb2.SamplingParams(temperature=float("nan"))}, "temperature must be >= 0"),
     ({"sampling": common_pb2.SamplingParams(top_p=1.5)}, "top_p must be in [0, 1]"),
@@ -292,9 +288,10 @@ def test_out_of_range_message_names_vocab(small_tokenizer: ModelTokenizer) -> No
     assert "250" in message and "100 ids" in message
 
 
-def test_greedy_equivalents_are_valid(small_tokenizer: ModelTokenizer) -> None:
-    for sampling in (common_pb2.SamplingParams(top_p=1.0), common_pb2.SamplingParams(top_p=0.0)):
-        validate(_request(sampling=sampling), LIMITS, small_tokenizer)
+def test_sampling_parameters_are_valid_and_passed_on(small_tokenizer: ModelTokenizer) -> None:
+    for sampling in (common_pb2.SamplingParams(top_p=1.0), common_pb2.SamplingParams(top_p=0.0),
+                     common_pb2.SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3)):
+        assert validate(_request(sampling=sampling), LIMITS, small_tokenizer).sampling == sampling
 
 
 # --- policy --------------------------------------------------------------------------------

@@ -5,9 +5,9 @@ import torch
 from splitspec.tree import (
     EMPTY_TREE,
     Tree,
+    accept_tree,
     ancestor_mask,
     depths,
-    greedy_accept,
     match_length,
     positions,
     tree_error,
@@ -42,24 +42,24 @@ def test_verify_mask_sees_whole_prefix():
     assert torch.equal(mask[:, 3:], ancestor_mask(TREE.parents))
 
 
-def test_greedy_accept_walks_longest_matching_path():
+def test_accept_tree_walks_longest_matching_path():
     # argmax after root is 5 (node 1), after node 1 is 7 (node 3), after node 3 is 8 (node 4).
-    result = greedy_accept(TREE, [5, 7, 0, 8, 9])
+    result = accept_tree(TREE, [5, 7, 0, 8, 9])
     assert result.path == [1, 3, 4]
     assert result.tokens == [5, 7, 8, 9]
 
 
-def test_greedy_accept_picks_second_child_and_stops():
-    result = greedy_accept(TREE, [6, 0, 2, 0, 0])
+def test_accept_tree_picks_second_child_and_stops():
+    result = accept_tree(TREE, [6, 0, 2, 0, 0])
     assert result.path == [2]
     assert result.tokens == [6, 2]
 
 
-def test_greedy_accept_rejects_all_gives_bonus_only():
-    result = greedy_accept(TREE, [42, 0, 0, 0, 0])
+def test_accept_tree_rejects_all_gives_bonus_only():
+    result = accept_tree(TREE, [42, 0, 0, 0, 0])
     assert result.path == []
     assert result.tokens == [42]
-    assert greedy_accept(EMPTY_TREE, [3]).tokens == [3]
+    assert accept_tree(EMPTY_TREE, [3]).tokens == [3]
 
 
 def test_tree_error_names_the_problem():
