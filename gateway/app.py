@@ -20,7 +20,14 @@ from dataclasses import dataclass
 from gateway.config import GatewayConfig, build_parser
 from gateway.core import GatewayCore, num_server_workers
 from gateway.generation import Final, RequestRun
-from gateway.policy import ShapeOverride, describe_policy, resolve_shape, static_policy
+from gateway.policy import (
+    AdaptivePolicy,
+    ShapeOverride,
+    describe_policy,
+    parse_table,
+    resolve_shape,
+    static_policy,
+)
 from gateway.servicer import GatewayServicer
 from gateway.target_client import TargetClient, TargetPeer, connect_target
 from splitspec.grpc_server import ServiceServer
@@ -128,9 +135,17 @@ def open_stream(config: GatewayConfig, tokenizer: ModelTokenizer, peer: TargetPe
                 health: HealthGate) -> Detailed:
     override = ShapeOverride(config.num_draft_tokens, config.topk, config.num_steps)
     shape = resolve_shape(override, peer.info.default_shape)
-    policy = static_policy(config.spec_disable_batch_threshold, shape)
-    target = TargetClient(peer, tokenizer, policy, health)
-    return Detailed(target, f"Serve open; policy: {describe_policy(policy)}")
+    adaptive = None
+    if config.spec_policy == "table":
+        policy = parse_table(config.spec_policy_table, shape)
+    elif config.spec_policy == "adaptive":
+        adaptive = AdaptivePolicy(shape)
+        policy = adaptive.policy
+    else:
+        policy = static_policy(config.spec_disable_batch_threshold, shape)
+    target = TargetClient(peer, tokenizer, policy, health,
+                          on_step=adaptive.observe if adaptive else None)
+    return Detailed(target, f"Serve open; {config.spec_policy} policy: {describe_policy(policy)}")
 
 
 def run_to_end(run: RequestRun, timeout_s: float) -> Final:

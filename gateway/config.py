@@ -7,9 +7,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from gateway.policy import parse_table
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.config_args import add_arguments, from_args
 from splitspec.config_args import option as _flag
+from splitspec.v1 import common_pb2
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,11 @@ class GatewayConfig:
                                  "beyond that requests fail with RESOURCE_EXHAUSTED")
     default_max_new_tokens: int = _flag(128, "max_new_tokens of requests that do not set it "
                                              "(lowered to fit the target's max_context)")
+    spec_policy: str = _flag("static", "speculation policy: static (the threshold below), table "
+                             "(--spec-policy-table) or adaptive (measured per batch size)",
+                             ("static", "table", "adaptive"))
+    spec_policy_table: str = _flag("", "with --spec-policy table: MAX_BATCH:NODES[/TOPK/STEPS],... "
+                                       "e.g. '4:8/4/4,16:4/1/4,*:0' (0 = off, * = any batch size)")
     spec_disable_batch_threshold: int = _flag(
         0, "turn speculation off when the decode batch is larger than this (0 = never off)")
     num_draft_tokens: int = _flag(0, "draft tree nodes to verify per step (0 = the target's default)")
@@ -49,6 +56,8 @@ class GatewayConfig:
                 f"--default-max-new-tokens must be >= 1 (got {self.default_max_new_tokens})")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"--log-level must be DEBUG, INFO, WARNING or ERROR (got {self.log_level!r})")
+        if self.spec_policy == "table":  # a bad table fails load_config, saying what is wrong
+            parse_table(self.spec_policy_table, common_pb2.DraftShape(topk=1, num_steps=1))
         if not self.connect_timeout_s > 0:
             raise ValueError(f"--connect-timeout-s must be > 0 (got {self.connect_timeout_s})")
 

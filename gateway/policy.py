@@ -2,18 +2,31 @@
 
 A policy is a table: for a decode batch of size b, the first entry with
 max_batch_size >= b gives the draft shape; no such entry means no speculation.
-Today there is one mode, the seed's static threshold; table and adaptive modes
-will be added here.
+Three modes build it:
+
+* static: the seed's threshold (speculate up to ``--spec-disable-batch-threshold``);
+* table: the user's table, ``--spec-policy-table "4:8/4/4,16:4/1/4,64:0"``
+  (max batch size: num_draft_tokens/topk/num_steps, or 0 for off);
+* adaptive: :class:`AdaptivePolicy` measures, per batch-size bucket, the
+  target's step time with and without speculation and the tokens a
+  speculative step yields, and speculates where that gives more tokens per
+  second, with a margin against flapping and periodic re-measurement of the
+  mode not in use.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from splitspec.v1 import common_pb2, target_pb2
 
+log = logging.getLogger(__name__)
+
 # The largest uint32: an entry that covers every batch size.
 ANY_BATCH_SIZE = 2**32 - 1
+OFF = common_pb2.DraftShape()
 
 
 class ShapeOverride(NamedTuple):
@@ -54,3 +67,128 @@ def describe_policy(policy: target_pb2.SpecPolicy) -> str:
                 f"{shape.num_draft_tokens} nodes, topk {shape.topk}, depth {shape.num_steps}")
         parts.append(f"{limit}: {what}")
     return "; ".join(parts)
+
+
+def parse_table(spec: str, default: common_pb2.DraftShape) -> target_pb2.SpecPolicy:
+    """``"4:8/4/4,16:4,64:0"`` -> a policy; a shape may give only the node count (the rest
+    from ``default``); ``*`` as the batch size means any. ValueError says what is wrong."""
+    entries, last = [], 0
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        limit, sep, shape_text = item.partition(":")
+        if not sep:
+            raise ValueError(f"policy table entry {item!r} is not MAX_BATCH:NODES[/TOPK/STEPS]")
+        max_batch = ANY_BATCH_SIZE if limit.strip() == "*" else int(limit)
+        if max_batch <= last:
+            raise ValueError(f"policy table batch sizes must increase: {max_batch} after {last}")
+        fields = [int(x) for x in shape_text.split("/")]
+        if len(fields) not in (1, 3) or min(fields) < 0:
+            raise ValueError(f"policy table shape {shape_text!r} is not NODES or NODES/TOPK/STEPS")
+        nodes, topk, steps = (*fields, default.topk, default.num_steps)[:3]
+        shape = OFF if nodes == 0 else common_pb2.DraftShape(num_draft_tokens=nodes, topk=topk,
+                                                              num_steps=steps)
+        entries.append(target_pb2.SpecPolicy.Entry(max_batch_size=max_batch, shape=shape))
+        last = max_batch
+    if not entries:
+        raise ValueError("the policy table is empty")
+    return target_pb2.SpecPolicy(entries=entries)
+
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, ANY_BATCH_SIZE)
+
+
+def bucket_of(batch_size: int) -> int:
+    return next(b for b in BUCKETS if batch_size <= b)
+
+
+@dataclass
+class _Bucket:
+    """What was measured at one batch-size bucket (exponential moving averages)."""
+
+    step_on_s: float = 0.0
+    step_off_s: float = 0.0
+    gain: float = 0.0         # accepted draft tokens per sequence per speculative step
+    num_on: int = 0
+    num_off: int = 0
+    is_on: bool = True        # the decision
+    probe_left: int = 0       # steps left measuring the other mode
+    since_probe: int = 0
+
+    def rates(self) -> tuple[float, float]:
+        """Tokens per second per sequence with and without speculation."""
+        return (1 + self.gain) / self.step_on_s, 1 / self.step_off_s
+
+
+class AdaptivePolicy:
+    """Chooses speculation on or off per batch-size bucket from measured step statistics.
+
+    Invariant: a bucket switches only when the other mode was measured at least
+    ``min_samples`` times and beats the current one by ``margin`` (relative), so
+    it does not flap between two modes of nearly equal speed.
+    """
+
+    def __init__(self, shape: common_pb2.DraftShape, margin: float = 0.05, alpha: float = 0.2,
+                 min_samples: int = 4, probe_every: int = 200, probe_steps: int = 4) -> None:
+        self.shape = shape
+        self.margin, self.alpha = margin, alpha
+        self.min_samples, self.probe_every, self.probe_steps = min_samples, probe_every, probe_steps
+        self.buckets = {b: _Bucket() for b in BUCKETS}
+        self._policy = self._build()
+
+    @property
+    def policy(self) -> target_pb2.SpecPolicy:
+        return self._policy
+
+    def observe(self, stats: target_pb2.StepStats) -> target_pb2.SpecPolicy | None:
+        """Learn from one decode step; returns the new policy when it changed."""
+        if stats.prefill_tokens or stats.batch_size == 0 or stats.total_s <= 0:
+            return None  # prefill steps say nothing about decode speed
+        bucket = self.buckets[bucket_of(stats.batch_size)]
+        self._record(bucket, stats)
+        self._decide(bucket, bucket_of(stats.batch_size))
+        policy = self._build()
+        if policy == self._policy:
+            return None
+        self._policy = policy
+        return policy
+
+    def _record(self, bucket: _Bucket, stats: target_pb2.StepStats) -> None:
+        a = self.alpha
+        if stats.speculated:
+            gain = stats.accepted_tokens / stats.batch_size
+            first = bucket.num_on == 0
+            bucket.step_on_s = stats.total_s if first else (1 - a) * bucket.step_on_s + a * stats.total_s
+            bucket.gain = gain if first else (1 - a) * bucket.gain + a * gain
+            bucket.num_on += 1
+        else:
+            first = bucket.num_off == 0
+            bucket.step_off_s = stats.total_s if first else (1 - a) * bucket.step_off_s + a * stats.total_s
+            bucket.num_off += 1
+
+    def _decide(self, bucket: _Bucket, size: int) -> None:
+        if bucket.probe_left:
+            bucket.probe_left -= 1
+            return
+        bucket.since_probe += 1
+        other_samples = bucket.num_off if bucket.is_on else bucket.num_on
+        if other_samples < self.min_samples or bucket.since_probe >= self.probe_every:
+            bucket.probe_left = self.probe_steps  # measure the mode not in use
+            bucket.since_probe = 0
+            return
+        on, off = bucket.rates()
+        if bucket.is_on and on < off * (1 - self.margin):
+            bucket.is_on = False
+            log.info("batch <= %d: speculation off (%.1f vs %.1f tok/s per sequence)", size, on, off)
+        elif not bucket.is_on and on > off * (1 + self.margin):
+            bucket.is_on = True
+            log.info("batch <= %d: speculation on (%.1f vs %.1f tok/s per sequence)", size, on, off)
+
+    def _build(self) -> target_pb2.SpecPolicy:
+        entries: list[target_pb2.SpecPolicy.Entry] = []
+        for size, bucket in self.buckets.items():
+            speculate = bucket.is_on != (bucket.probe_left > 0)
+            shape = self.shape if speculate else OFF
+            if entries and entries[-1].shape == shape:
+                entries[-1].max_batch_size = size
+            else:
+                entries.append(target_pb2.SpecPolicy.Entry(max_batch_size=size, shape=shape))
+        return target_pb2.SpecPolicy(entries=entries)

@@ -19,6 +19,7 @@ from typing import NamedTuple, Protocol
 
 import grpc
 
+from gateway.policy import describe_policy
 from gateway.stats import SpecTotals
 from splitspec.grpc_server import ServiceError, wait_for_serving
 from splitspec.tokenizer import ModelTokenizer
@@ -144,8 +145,12 @@ class TargetClient:
     """
 
     def __init__(self, peer: TargetPeer, tokenizer: ModelTokenizer, policy: target_pb2.SpecPolicy,
-                 listener: TargetListener) -> None:
-        """Open the Serve stream and send ``policy`` first."""
+                 listener: TargetListener,
+                 on_step: Callable[[target_pb2.StepStats], target_pb2.SpecPolicy | None] | None = None
+                 ) -> None:
+        """Open the Serve stream and send ``policy`` first. ``on_step`` sees every step's
+        statistics and may return a new policy to send (the adaptive policy)."""
+        self._on_step = on_step
         self._lock = threading.Lock()
         self._tokenizer = tokenizer
         self._listener = listener
@@ -240,6 +245,10 @@ class TargetClient:
             sink(delta)
         if event.HasField("stats"):
             self.last_step = event.stats
+            new_policy = self._on_step(event.stats) if self._on_step else None
+            if new_policy is not None:
+                log.info("speculation policy now: %s", describe_policy(new_policy))
+                self.set_policy(new_policy)
 
     def _on_stream_end(self, stream: _ServeStream, why: str) -> None:
         with self._lock:

@@ -1,0 +1,75 @@
+"""The gateway's speculation policies: the user's table and the adaptive policy."""
+
+import pytest
+
+from gateway.policy import ANY_BATCH_SIZE, AdaptivePolicy, bucket_of, parse_table
+from splitspec.v1 import common_pb2, target_pb2
+from target_service.engine import NO_SPECULATION, shape_for
+
+DEFAULT = common_pb2.DraftShape(num_draft_tokens=8, topk=4, num_steps=4)
+
+
+def test_table_parses_and_applies_per_batch_size():
+    policy = parse_table("2:8/4/4, 8:4, *:0", DEFAULT)
+    assert [e.max_batch_size for e in policy.entries] == [2, 8, ANY_BATCH_SIZE]
+    assert shape_for(policy, 1, DEFAULT) == DEFAULT
+    assert shape_for(policy, 5, DEFAULT) == common_pb2.DraftShape(num_draft_tokens=4, topk=4,
+                                                                  num_steps=4)
+    assert shape_for(policy, 100, DEFAULT) == NO_SPECULATION
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "empty"), ("4", "MAX_BATCH:NODES"), ("8:4,4:2", "must increase"), ("4:1/2", "NODES/TOPK"),
+])
+def test_bad_tables_say_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_table(text, DEFAULT)
+
+
+def step(batch: int, speculated: bool, total_s: float, accepted: int = 0) -> target_pb2.StepStats:
+    return target_pb2.StepStats(batch_size=batch, speculated=speculated, total_s=total_s,
+                                accepted_tokens=accepted)
+
+
+def run(policy: AdaptivePolicy, batch: int, on_s: float, off_s: float, gain: float,
+        steps: int) -> list[target_pb2.SpecPolicy]:
+    """Simulate a target that applies the policy at each step; returns the changes sent."""
+    changes = []
+    for _ in range(steps):
+        speculate = shape_for(policy.policy, batch, DEFAULT).num_draft_tokens > 0
+        stats = step(batch, speculate, on_s if speculate else off_s,
+                     round(gain * batch) if speculate else 0)
+        new = policy.observe(stats)
+        if new is not None:
+            changes.append(new)
+    return changes
+
+
+def speculates(policy: AdaptivePolicy, batch: int) -> bool:
+    return shape_for(policy.policy, batch, DEFAULT).num_draft_tokens > 0
+
+
+def test_adaptive_speculates_where_it_pays_and_not_where_it_does_not():
+    policy = AdaptivePolicy(DEFAULT, probe_every=1000)
+    # batch 1: a speculative step takes 2x a plain one but yields 2.5 tokens -> on.
+    run(policy, 1, on_s=0.010, off_s=0.005, gain=1.5, steps=40)
+    # batch 32: it takes 3x and yields 1.5 tokens per sequence -> off.
+    run(policy, 32, on_s=0.030, off_s=0.010, gain=0.5, steps=40)
+    assert speculates(policy, 1)
+    assert not speculates(policy, 32)
+    assert bucket_of(32) == 32 and bucket_of(33) == 64
+
+
+def test_adaptive_does_not_flap_between_near_equal_modes():
+    policy = AdaptivePolicy(DEFAULT, probe_every=1000)
+    run(policy, 4, on_s=0.0101, off_s=0.005, gain=1.0, steps=20)  # settle: within the margin
+    changes = run(policy, 4, on_s=0.0101, off_s=0.005, gain=1.0, steps=200)
+    assert changes == []
+
+
+def test_adaptive_follows_a_change_of_workload():
+    policy = AdaptivePolicy(DEFAULT, probe_every=50)
+    run(policy, 2, on_s=0.010, off_s=0.005, gain=2.0, steps=60)
+    assert speculates(policy, 2)
+    run(policy, 2, on_s=0.010, off_s=0.005, gain=0.2, steps=200)  # the draft got worse
+    assert not speculates(policy, 2)
