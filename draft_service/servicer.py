@@ -5,8 +5,9 @@ makes the servicer corrupt every other tree it sends on a stream (the 1st,
 3rd, 5th, ...: one extra node whose token id is vocab_size and whose parent
 index points forward), so that the target's tree validation can be tested end
 to end while the target still verifies the intact trees (its warmup needs
-some). Read when the servicer is built (the start_server step); an unknown
-value fails that step.
+some). ``SPLITSPEC_INJECT_DRAFT_FAULT=slow`` holds the reply to every 8th
+step for half a second, past a short target deadline. Read when the servicer
+is built (the start_server step); an unknown value fails that step.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 log = logging.getLogger(__name__)
 
 DRAFT_FAULT_ENV = "SPLITSPEC_INJECT_DRAFT_FAULT"
-DRAFT_FAULTS = ("malformed_tree",)
+DRAFT_FAULTS = ("malformed_tree", "slow")
+SLOW_REPLY_S = 0.5  # the "slow" fault holds the reply to every 8th step this long
 
 
 def draft_fault_from_env(env: dict[str, str] | None = None) -> str:
@@ -91,6 +93,8 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 if self.fault == "malformed_tree":
                     for tree in reply.trees[num_sent % 2::2]:
                         corrupt(tree, self.info.vocab_size)
+                if self.fault == "slow" and request.step % 8 == 0:
+                    time.sleep(SLOW_REPLY_S)
                 num_sent += len(reply.trees)
                 yield reply
         except grpc.RpcError:

@@ -3,13 +3,18 @@
 Greedy (temperature 0) picks the argmax. Otherwise logits are divided by the
 temperature, cut to the top_k most likely tokens (0 = off), then to the
 smallest set whose probability reaches top_p (0 or 1 = off; the most likely
-token is always kept), and renormalised. Each request draws from its own
-generator, seeded from ``seed`` when given, so a seeded request is
-reproducible for a given speculation mode.
+token is always kept), and renormalised.
+
+The randomness of a request is a function of its seed and the position of
+the token being drawn: the token at position n is the inverse-CDF pick of one
+uniform number u(seed, n). So a seeded request gives the same text whether a
+step speculated or not (each committed token is the same draw, in the same
+context), and without a seed the request gets a random one at admission.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -32,16 +37,17 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0
 
-    def generator(self, device: torch.device | str) -> torch.Generator | None:
-        """The request's random stream (None for greedy)."""
-        if self.is_greedy:
-            return None
-        gen = torch.Generator(device=device)
-        if self.seed is None:
-            gen.seed()
-        else:
-            gen.manual_seed(self.seed)
-        return gen
+    def with_seed(self) -> SamplingParams:
+        """The same parameters with a seed (a random one when none was given)."""
+        if self.seed is not None:
+            return self
+        return SamplingParams(self.temperature, self.top_k, self.top_p,
+                              random.SystemRandom().getrandbits(63))
+
+
+def uniform(seed: int, position: int) -> float:
+    """The request's uniform number for the token at ``position`` (deterministic)."""
+    return random.Random(f"{seed}:{position}").random()
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -61,9 +67,17 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
-def choose(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator | None) -> list[int]:
-    """One token per row of logits [N, V]: the argmax (greedy) or one independent sample."""
+def choose(logits: torch.Tensor, params: SamplingParams, positions: list[int]) -> list[int]:
+    """One token per row of logits [N, V]: the argmax (greedy), or the inverse-CDF pick of
+    u(seed, positions[i]) from the row's distribution; positions[i] is the position the
+    row's token will take in the sequence."""
     if params.is_greedy:
         return logits.argmax(dim=-1).tolist()
-    probs = probabilities(logits, params)
-    return torch.multinomial(probs, 1, generator=gen).squeeze(-1).tolist()
+    if params.seed is None:
+        raise ValueError("sampling needs a seed: use SamplingParams.with_seed()")
+    cdf = probabilities(logits, params).cumsum(dim=-1)
+    u = torch.tensor([[uniform(params.seed, pos)] for pos in positions], device=cdf.device)
+    picks = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(-1)
+    # Rounding can put u past the last non-zero entry: take the last token with mass.
+    last = (cdf < cdf[:, -1:]).sum(dim=-1)
+    return torch.minimum(picks, last).tolist()

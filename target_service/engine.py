@@ -26,7 +26,15 @@ from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.llama import LlamaForCausalLM
 from splitspec.sampling import SamplingParams, choose
-from splitspec.tree import EMPTY_TREE, Tree, accept_tree, positions, tree_error, verify_mask
+from splitspec.tree import (
+    EMPTY_TREE,
+    Tree,
+    accept_tree,
+    depths,
+    positions,
+    tree_error,
+    verify_mask,
+)
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
 from target_service.draft_client import DraftLink
 from target_service.scheduler import Scheduler
@@ -194,8 +202,7 @@ class Engine:
             request_id=admit.request_id, stream_id=stream_id, prompt_ids=list(admit.prompt_ids),
             max_new_tokens=admit.max_new_tokens, stop_ids=frozenset(stop_ids),
             speculation=admit.speculation, table=PageTable(self.cache.page_size),
-            seq_id=next(self._seq_ids), sampling=SamplingParams.from_pb(admit.sampling))
-        seq.generator = seq.sampling.generator(self.device)
+            seq_id=next(self._seq_ids), sampling=SamplingParams.from_pb(admit.sampling).with_seed())
         problem = self._admission_error(seq)
         if problem:
             self._emit(seq, [], common_pb2.FINISH_REASON_ERROR, problem)
@@ -364,15 +371,20 @@ class Engine:
 
     def _choose(self, logits: torch.Tensor, prefill: list[Sequence], decode: list[Sequence],
                 trees: dict[int, Tree]) -> list[int]:
-        """The target's token after every logit row: argmax, or one sample per row for
-        sequences that sample (each from its own generator)."""
+        """The target's token after every logit row: argmax, or for sequences that sample the
+        draw of their seed at the position the token would take (see splitspec.sampling)."""
         chosen = logits.argmax(dim=-1).tolist()
         row = 0
         for seq in [*prefill, *decode]:
-            num = 1 if not seq.is_prefilled else 1 + trees.get(seq.seq_id, EMPTY_TREE).num_nodes
+            if seq.is_prefilled:
+                tree = trees.get(seq.seq_id, EMPTY_TREE)
+                where = [seq.num_cached + 1 + d for d in depths(tree.parents)]
+            else:
+                where = [len(seq.prompt_ids)]
             if not seq.sampling.is_greedy:
-                chosen[row: row + num] = choose(logits[row: row + num], seq.sampling, seq.generator)
-            row += num
+                chosen[row: row + len(where)] = choose(logits[row: row + len(where)], seq.sampling,
+                                                       where)
+            row += len(where)
         return chosen
 
     def _commit(self, prefill: list[Sequence], decode: list[Sequence], trees: dict[int, Tree],

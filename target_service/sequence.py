@@ -56,7 +56,6 @@ class Sequence:
     table: PageTable
     seq_id: int  # unique within this target process (the draft's key)
     sampling: SamplingParams = SamplingParams()
-    generator: torch.Generator | None = None  # the request's random stream (None: greedy)
     arrived_at: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     tokens: list[int] = field(default_factory=list)  # committed: prompt + generated

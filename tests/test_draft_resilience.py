@@ -111,3 +111,20 @@ def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts):
     finally:
         for service in (gateway, target, draft):
             service.stop()
+
+
+def test_slow_draft_exchanges_are_skipped_without_changing_output(tmp_path, prompts):
+    draft = Service("draft_service", [], tmp_path,
+                    env={"SPLITSPEC_INJECT_DRAFT_FAULT": "slow"}).wait_serving()
+    target = Service("target_service", ["--draft", draft.address, "--draft-timeout-s", "0.2"],
+                     tmp_path).wait_serving()
+    try:
+        plain, _ = serve(target, prompts, 32, speculate=False)
+        slow, steps = serve(target, prompts, 32)
+    finally:
+        target.stop()
+        draft.stop()
+    assert slow == plain
+    assert any(s.speculated for s in steps), "no exchange came back in time"
+    assert "no draft reply within 0.20s" in target.log
+    assert "dropping late draft reply" in target.log

@@ -274,7 +274,7 @@ def test_trained_eagle3_head_reaches_minimum_acceptance_on_heldout_code(eagle_st
     assert accepted / verify > 1.5, (accepted, verify)
 
 
-def test_seeded_sampling_reproduces_and_seeds_differ(eagle_stack):
+def test_seeded_sampling_reproduces_with_and_without_speculation(eagle_stack):
     stub = gateway_stub(eagle_stack[2])
 
     def sample(seed, mode=ON):
@@ -284,6 +284,6 @@ def test_seeded_sampling_reproduces_and_seeds_differ(eagle_stack):
             stopping=gateway_pb2.StoppingParams(max_new_tokens=32, ignore_eos=True)),
             timeout=60).token_ids)
 
-    assert sample(7) == sample(7)
-    assert sample(7, OFF) == sample(7, OFF)
+    # A seed fixes the draw at every position, so speculation cannot change the text.
+    assert sample(7) == sample(7) == sample(7, OFF)
     assert len({tuple(sample(seed)) for seed in range(4)}) > 1

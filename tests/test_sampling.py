@@ -68,12 +68,30 @@ def test_probabilities_apply_temperature_top_k_top_p():
     assert tiny[0, 0] == 1.0  # the most likely token always survives
 
 
-def test_seeded_generator_is_reproducible():
+def test_seeded_choice_depends_on_seed_and_position_only():
     logits = torch.randn(8, 50)
     params = SamplingParams(temperature=1.0, seed=7)
-    assert choose(logits, params, params.generator("cpu")) == choose(logits, params,
-                                                                     params.generator("cpu"))
-    assert choose(logits, SamplingParams(), None) == logits.argmax(-1).tolist()
+    positions = list(range(10, 18))
+    assert choose(logits, params, positions) == choose(logits, params, positions)
+    # The same row at the same position gives the same token whatever else is in the batch.
+    assert choose(logits[3:4], params, [13]) == choose(logits, params, positions)[3:4]
+    other = SamplingParams(temperature=1.0, seed=8)
+    assert choose(logits, params, positions) != choose(logits, other, positions)
+    assert choose(logits, SamplingParams(), positions) == logits.argmax(-1).tolist()
+    with pytest.raises(ValueError, match="seed"):
+        choose(logits, SamplingParams(temperature=1.0), positions)
+
+
+def test_inverse_cdf_choice_follows_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -9.0]])
+    params = SamplingParams(temperature=1.0, top_k=4)
+    p = probabilities(logits, params)[0]
+    counts = Counter()
+    for seed in range(4000):
+        counts[(choose(logits, SamplingParams(1.0, 4, 0.0, seed), [5])[0],)] += 1
+    stat, df = chi_square(counts, {(t,): float(p[t]) for t in range(5) if p[t] > 0}, 4000)
+    assert counts[(4,)] == 0 and stat < critical(max(df, 5)), (stat, df, counts)
+    assert params.with_seed().seed is not None
 
 
 # ---- the verifier against a toy target ---------------------------------------------------
