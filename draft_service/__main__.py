@@ -23,7 +23,7 @@ def parse_args(argv: list[str] | None) -> DraftConfig:
                     "trees (EAGLE-3 head or standalone causal LM) for the target, over one "
                     "long-lived gRPC stream per target. Env SPLITSPEC_INJECT_INIT_FAULT=<step> "
                     "fails a start-up step; SPLITSPEC_INJECT_DRAFT_FAULT=malformed_tree corrupts "
-                    "every tree sent (tests).")
+                    "every other tree sent, =slow delays every 8th reply by 0.5 s (tests).")
     add_arguments(parser, DraftConfig)
     return from_args(DraftConfig, parser.parse_args(argv))
 
