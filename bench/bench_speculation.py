@@ -24,6 +24,7 @@ from pathlib import Path
 
 import grpc
 
+from gateway.policy import AdaptivePolicy
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
 from splitspec.tokenizer import load_tokenizer
@@ -85,13 +86,18 @@ class RunStats:
 
 
 def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_new: int,
-               shape: tuple[int, int, int] | None, concurrency: int) -> RunStats:
+               shape: tuple[int, int, int] | AdaptivePolicy | None, concurrency: int) -> RunStats:
     """Generate every prompt, keeping `concurrency` in flight, on one Serve stream whose
-    policy drafts `shape` at every batch size (None: speculation off)."""
+    policy drafts `shape` at every batch size (None: speculation off), or follows an
+    adaptive policy fed with every step's statistics (as the gateway does)."""
     requests: queue.Queue = queue.Queue()
     stats = RunStats()
     mode = common_pb2.SPECULATION_MODE_OFF
-    if shape is not None:
+    adaptive = shape if isinstance(shape, AdaptivePolicy) else None
+    if adaptive is not None:
+        mode = common_pb2.SPECULATION_MODE_AUTO
+        requests.put(target_pb2.ServeRequest(policy=adaptive.policy))
+    elif shape is not None:
         mode = common_pb2.SPECULATION_MODE_AUTO
         num, topk, steps = shape
         requests.put(target_pb2.ServeRequest(policy=target_pb2.SpecPolicy(entries=[
@@ -115,6 +121,9 @@ def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_n
         if event.stats.step not in seen_steps:
             seen_steps.add(event.stats.step)
             stats.steps.append(event.stats)
+            changed = adaptive.observe(event.stats) if adaptive is not None else None
+            if changed is not None:
+                requests.put(target_pb2.ServeRequest(policy=changed))
         for delta in event.deltas:
             stats.tokens += len(delta.token_ids)
             if delta.finish_reason:
@@ -212,7 +221,8 @@ def main() -> int:
     parser.add_argument("--device", default="cpu", help="with --start: torch device of both services")
     parser.add_argument("--dtype", default="float32", help="with --start: dtype of both services")
     parser.add_argument("--shapes", default="tree",
-                        help=f"comma-separated draft shapes to run ON with: {', '.join(SHAPES)}")
+                        help=f"comma-separated draft shapes to run ON with: {', '.join(SHAPES)}; "
+                             "'adaptive' runs the gateway's adaptive policy with the tree shape")
     parser.add_argument("--prompts", default="fixed", choices=["fixed", "heldout"],
                         help="8 fixed code prompts, or snippets of held-out stdlib files")
     parser.add_argument("--num-prompts", type=int, default=16, help="with --prompts heldout")
@@ -221,7 +231,8 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     parser.add_argument("--repeats", type=int, default=5, help="runs per mode; medians reported")
     args = parser.parse_args()
-    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",") if name != "adaptive"}
+    with_adaptive = "adaptive" in args.shapes.split(",")
     procs: list[subprocess.Popen] = []
     if args.start:
         procs, args.target = start_stack(args.draft_kind, args.models, args.device, args.dtype)
@@ -231,11 +242,18 @@ def main() -> int:
         prompts = load_prompts(args.prompts, args.models / "target", args.num_prompts,
                                args.prompt_len)
         modes: dict[str, tuple[int, int, int] | None] = {"OFF": None, **shapes}
+        if with_adaptive:
+            modes["adaptive"] = "adaptive"
         rates: dict[str, list[float]] = {m: [] for m in modes}
         last: dict[str, RunStats] = {}
+        num, topk, steps = SHAPES["tree"]
+        policy = AdaptivePolicy(common_pb2.DraftShape(num_draft_tokens=num, topk=topk,
+                                                      num_steps=steps))
         for _ in range(args.repeats):
             for name, shape in modes.items():  # interleaved, so drift hits all alike
-                last[name] = run_target(stub, prompts, args.max_new_tokens, shape, args.concurrency)
+                run_shape = policy if shape == "adaptive" else shape  # one policy: it learns
+                last[name] = run_target(stub, prompts, args.max_new_tokens, run_shape,
+                                        args.concurrency)
                 rates[name].append(last[name].tokens_per_s)
         print(f"target {args.target}, {len(prompts)} {args.prompts} prompts x "
               f"{args.max_new_tokens} tokens, concurrency {args.concurrency}, "
@@ -248,7 +266,7 @@ def main() -> int:
                   + ", ".join(f"{r:.1f}" for r in rates[name]) + f"), x{ratio:.2f} vs OFF"
                   + (f", accepted/verify step {stats.mean_accepted:.2f}, by depth "
                      + " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth)
-                     if shapes.get(name) else ""))
+                     if name != "OFF" else ""))
             print(f"           step: {breakdown(stats.steps, name != 'OFF')}")
         if args.gateway:
             for name, mode in (("OFF", common_pb2.SPECULATION_MODE_OFF),
