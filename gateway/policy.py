@@ -17,7 +17,8 @@ Three modes build it:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from splitspec.v1 import common_pb2, target_pb2
@@ -94,6 +95,7 @@ def parse_table(spec: str, default: common_pb2.DraftShape) -> target_pb2.SpecPol
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, ANY_BATCH_SIZE)
+WINDOW = 64  # steps of each mode the adaptive policy averages over
 
 
 def bucket_of(batch_size: int) -> int:
@@ -102,34 +104,36 @@ def bucket_of(batch_size: int) -> int:
 
 @dataclass
 class _Bucket:
-    """What was measured at one batch-size bucket (exponential moving averages)."""
+    """What was measured at one batch-size bucket: the last steps of each mode."""
 
-    step_on_s: float = 0.0
-    step_off_s: float = 0.0
-    gain: float = 0.0         # accepted draft tokens per sequence per speculative step
-    num_on: int = 0
-    num_off: int = 0
+    on: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # (step_s, gain) pairs
+    off: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # step_s
     is_on: bool = True        # the decision
     probe_left: int = 0       # steps left measuring the other mode
     since_probe: int = 0
 
     def rates(self) -> tuple[float, float]:
-        """Tokens per second per sequence with and without speculation."""
-        return (1 + self.gain) / self.step_on_s, 1 / self.step_off_s
+        """Tokens per second per sequence with and without speculation (window means); the
+        gain of a speculative step is its accepted draft tokens per sequence."""
+        step_on = sum(t for t, _ in self.on) / len(self.on)
+        gain = sum(g for _, g in self.on) / len(self.on)
+        return (1 + gain) / step_on, len(self.off) / sum(self.off)
 
 
 class AdaptivePolicy:
     """Chooses speculation on or off per batch-size bucket from measured step statistics.
 
-    Invariant: a bucket switches only when the other mode was measured at least
-    ``min_samples`` times and beats the current one by ``margin`` (relative), so
-    it does not flap between two modes of nearly equal speed.
+    Invariant: a bucket switches only when both modes were measured at least
+    ``min_samples`` times and the other mode beats the current one by
+    ``margin`` (relative) over the last WINDOW steps of each, so noise in the
+    per-step acceptance does not make it flap; every ``probe_every`` steps it
+    re-measures the mode not in use for ``probe_steps`` steps.
     """
 
-    def __init__(self, shape: common_pb2.DraftShape, margin: float = 0.05, alpha: float = 0.2,
-                 min_samples: int = 4, probe_every: int = 200, probe_steps: int = 4) -> None:
+    def __init__(self, shape: common_pb2.DraftShape, margin: float = 0.05, min_samples: int = 8,
+                 probe_every: int = 100, probe_steps: int = 8) -> None:
         self.shape = shape
-        self.margin, self.alpha = margin, alpha
+        self.margin = margin
         self.min_samples, self.probe_every, self.probe_steps = min_samples, probe_every, probe_steps
         self.buckets = {b: _Bucket() for b in BUCKETS}
         self._policy = self._build()
@@ -142,37 +146,30 @@ class AdaptivePolicy:
         """Learn from one decode step; returns the new policy when it changed."""
         if stats.prefill_tokens or stats.batch_size == 0 or stats.total_s <= 0:
             return None  # prefill steps say nothing about decode speed
-        bucket = self.buckets[bucket_of(stats.batch_size)]
-        self._record(bucket, stats)
-        self._decide(bucket, bucket_of(stats.batch_size))
+        size = bucket_of(stats.batch_size)
+        bucket = self.buckets[size]
+        if stats.speculated:
+            bucket.on.append((stats.total_s, stats.accepted_tokens / stats.batch_size))
+        else:
+            bucket.off.append(stats.total_s)
+        self._decide(bucket, size)
         policy = self._build()
         if policy == self._policy:
             return None
         self._policy = policy
         return policy
 
-    def _record(self, bucket: _Bucket, stats: target_pb2.StepStats) -> None:
-        a = self.alpha
-        if stats.speculated:
-            gain = stats.accepted_tokens / stats.batch_size
-            first = bucket.num_on == 0
-            bucket.step_on_s = stats.total_s if first else (1 - a) * bucket.step_on_s + a * stats.total_s
-            bucket.gain = gain if first else (1 - a) * bucket.gain + a * gain
-            bucket.num_on += 1
-        else:
-            first = bucket.num_off == 0
-            bucket.step_off_s = stats.total_s if first else (1 - a) * bucket.step_off_s + a * stats.total_s
-            bucket.num_off += 1
-
     def _decide(self, bucket: _Bucket, size: int) -> None:
         if bucket.probe_left:
             bucket.probe_left -= 1
             return
         bucket.since_probe += 1
-        other_samples = bucket.num_off if bucket.is_on else bucket.num_on
-        if other_samples < self.min_samples or bucket.since_probe >= self.probe_every:
+        other = bucket.off if bucket.is_on else bucket.on
+        if len(other) < self.min_samples or bucket.since_probe >= self.probe_every:
             bucket.probe_left = self.probe_steps  # measure the mode not in use
             bucket.since_probe = 0
+            return
+        if len(bucket.on) < self.min_samples or len(bucket.off) < self.min_samples:
             return
         on, off = bucket.rates()
         if bucket.is_on and on < off * (1 - self.margin):

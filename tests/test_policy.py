@@ -62,7 +62,7 @@ def test_adaptive_speculates_where_it_pays_and_not_where_it_does_not():
 
 def test_adaptive_does_not_flap_between_near_equal_modes():
     policy = AdaptivePolicy(DEFAULT, probe_every=1000)
-    run(policy, 4, on_s=0.0101, off_s=0.005, gain=1.0, steps=20)  # settle: within the margin
+    run(policy, 4, on_s=0.0101, off_s=0.005, gain=1.0, steps=40)  # settle: within the margin
     changes = run(policy, 4, on_s=0.0101, off_s=0.005, gain=1.0, steps=200)
     assert changes == []
 
@@ -70,6 +70,24 @@ def test_adaptive_does_not_flap_between_near_equal_modes():
 def test_adaptive_follows_a_change_of_workload():
     policy = AdaptivePolicy(DEFAULT, probe_every=50)
     run(policy, 2, on_s=0.010, off_s=0.005, gain=2.0, steps=60)
-    assert speculates(policy, 2)
-    run(policy, 2, on_s=0.010, off_s=0.005, gain=0.2, steps=200)  # the draft got worse
-    assert not speculates(policy, 2)
+    assert policy.buckets[2].is_on
+    run(policy, 2, on_s=0.010, off_s=0.005, gain=0.2, steps=300)  # the draft got worse
+    assert not policy.buckets[2].is_on  # (the table may be in a re-measurement right now)
+
+
+def test_adaptive_holds_on_through_noisy_acceptance():
+    """Per-step acceptance jumps between 0 and 4 per sequence (mean 2.35): a 20 % advantage
+    must not be lost to noise."""
+    import random
+
+    rng = random.Random(0)
+    policy = AdaptivePolicy(DEFAULT)
+    off_steps = 0
+    for i in range(2000):
+        speculate = speculates(policy, 1)
+        accepted = rng.choice([0, 1, 2, 3, 4, 4, 4, 1, 2, 3, 2, 2]) if speculate else 0
+        total = (0.017 if speculate else 0.0058) * rng.uniform(0.9, 1.1)
+        policy.observe(step(1, speculate, total, accepted))
+        off_steps += (not speculate) and i > 200
+    assert policy.buckets[1].is_on
+    assert off_steps < 0.15 * 1800, off_steps  # only the periodic re-measurement runs off
