@@ -111,3 +111,20 @@ def test_training_reduces_loss_and_writes_a_loadable_head(tmp_path, target):
     before = evaluate_eagle3(untrained.out_dir, BUILTIN_TARGET, blocks[:16], 3)
     after = evaluate_eagle3(result.out_dir, BUILTIN_TARGET, blocks[:16], 3)
     assert all(a > b + 0.2 for a, b in zip(after, before, strict=True)), (before, after)
+
+
+def test_training_features_are_what_the_serving_target_captures(target):
+    """Every captured index, the last layer's output (index N) included, matches the serving
+    model's capture: the head is trained on the features it is served."""
+    from splitspec.model.loader import load_llama
+    from splitspec.training.eagle3 import target_features
+    from tests.test_model import Runner
+
+    ours = load_llama(BUILTIN_TARGET, torch.float32, "cpu")
+    n = ours.config.num_layers
+    ids = list(range(200, 216))
+    capture = (0, 2, n)
+    _, aux = Runner(ours).run(ids, torch.arange(16), 16, capture=capture)
+    with torch.no_grad():
+        features, _ = target_features(target, torch.tensor([ids]), capture)
+    torch.testing.assert_close(features[0], aux, atol=1e-4, rtol=1e-4)

@@ -185,12 +185,32 @@ def ttt_loss(head: Eagle3Head, batch: _TTTBatch, num_steps: int, decay: float
     return total, accuracy
 
 
+def target_features(target: torch.nn.Module, ids: torch.Tensor, capture: tuple[int, ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inputs of the captured layers ([B, T, len(capture) * H]; index N = the last layer's
+    output before the final norm, as the serving target captures them) and the logits.
+
+    Read with forward pre-hooks rather than ``output_hidden_states``, whose last entry is
+    after the final norm in transformers."""
+    layers = target.model.layers
+    modules = {i: (layers[i] if i < len(layers) else target.model.norm) for i in capture}
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [module.register_forward_pre_hook(
+        lambda _m, args, kwargs, i=i: seen.__setitem__(i, (args or (kwargs["hidden_states"],))[0]),
+        with_kwargs=True) for i, module in modules.items()]
+    try:
+        logits = target(ids).logits
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return torch.cat([seen[i] for i in capture], dim=-1), logits
+
+
 def _target_batch(target: torch.nn.Module, ids: torch.Tensor, capture: tuple[int, ...],
                   draft_ids: torch.Tensor) -> _TTTBatch:
     with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i] for i in capture], dim=-1)
-        labels = F.softmax(out.logits[:, 1:, draft_ids].float(), dim=-1)
+        features, logits = target_features(target, ids, capture)
+        labels = F.softmax(logits[:, 1:, draft_ids].float(), dim=-1)
     return _TTTBatch(features[:, :-1].detach(), ids[:, 1:], labels)
 
 
