@@ -376,15 +376,13 @@ class Engine:
         chosen = logits.argmax(dim=-1).tolist()
         row = 0
         for seq in [*prefill, *decode]:
-            if seq.is_prefilled:
-                tree = trees.get(seq.seq_id, EMPTY_TREE)
-                where = [seq.num_cached + 1 + d for d in depths(tree.parents)]
-            else:
-                where = [len(seq.prompt_ids)]
+            tree = trees.get(seq.seq_id, EMPTY_TREE) if seq.is_prefilled else None
+            num = 1 if tree is None else 1 + tree.num_nodes
             if not seq.sampling.is_greedy:
-                chosen[row: row + len(where)] = choose(logits[row: row + len(where)], seq.sampling,
-                                                       where)
-            row += len(where)
+                where = ([len(seq.prompt_ids)] if tree is None
+                         else [seq.num_cached + 1 + d for d in depths(tree.parents)])
+                chosen[row: row + num] = choose(logits[row: row + num], seq.sampling, where)
+            row += num
         return chosen
 
     def _commit(self, prefill: list[Sequence], decode: list[Sequence], trees: dict[int, Tree],
@@ -429,7 +427,7 @@ class Engine:
         if aux is not None and seq.features is not None:
             seq.features.append(aux[torch.tensor([lo + k for k in kept], device=aux.device)])
         if tree.num_nodes:
-            depth = max(positions(tree.parents, 0).tolist())
+            depth = max(depths(tree.parents))
             seq.spec.record_verify(tree.num_nodes, depth, len(acceptance.path))
         else:
             seq.spec.plain_steps += 1
