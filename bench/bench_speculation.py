@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from gateway.policy import AdaptivePolicy
+from gateway.policy import AdaptivePolicy, static_policy
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
 from splitspec.tokenizer import load_tokenizer
@@ -86,23 +86,27 @@ class RunStats:
 
 
 def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_new: int,
-               shape: tuple[int, int, int] | AdaptivePolicy | None, concurrency: int) -> RunStats:
+               shape: tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None,
+               concurrency: int) -> RunStats:
     """Generate every prompt, keeping `concurrency` in flight, on one Serve stream whose
-    policy drafts `shape` at every batch size (None: speculation off), or follows an
-    adaptive policy fed with every step's statistics (as the gateway does)."""
+    policy drafts `shape` at every batch size (None: speculation off), is a ready policy
+    table, or follows an adaptive policy fed with every step's statistics (as the gateway
+    does)."""
     requests: queue.Queue = queue.Queue()
     stats = RunStats()
     mode = common_pb2.SPECULATION_MODE_OFF
     adaptive = shape if isinstance(shape, AdaptivePolicy) else None
     if adaptive is not None:
-        mode = common_pb2.SPECULATION_MODE_AUTO
-        requests.put(target_pb2.ServeRequest(policy=adaptive.policy))
-    elif shape is not None:
-        mode = common_pb2.SPECULATION_MODE_AUTO
+        policy = adaptive.policy
+    elif isinstance(shape, tuple):
         num, topk, steps = shape
-        requests.put(target_pb2.ServeRequest(policy=target_pb2.SpecPolicy(entries=[
-            target_pb2.SpecPolicy.Entry(max_batch_size=2**32 - 1, shape=common_pb2.DraftShape(
-                num_draft_tokens=num, topk=topk, num_steps=steps))])))
+        policy = static_policy(0, common_pb2.DraftShape(num_draft_tokens=num, topk=topk,
+                                                        num_steps=steps))
+    else:
+        policy = shape
+    if policy is not None:
+        mode = common_pb2.SPECULATION_MODE_AUTO
+        requests.put(target_pb2.ServeRequest(policy=policy))
     pending = list(enumerate(prompts))
 
     def admit_next() -> None:
@@ -135,6 +139,7 @@ def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_n
             break
     stats.wall_s = time.perf_counter() - start
     events.cancel()
+    requests.put(None)  # ends the request iterator, so gRPC's thread consuming it exits
     return stats
 
 
@@ -173,8 +178,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_stack(draft_kind: str, models: Path, device: str, dtype: str
-                ) -> tuple[list[subprocess.Popen], str]:
+def start_stack(draft_kind: str, models: Path, device: str, dtype: str,
+                max_running: int | None = None) -> tuple[list[subprocess.Popen], str]:
+    """Draft and target on free ports; `max_running`: the target's (None: its default)."""
     draft_port, target_port = free_port(), free_port()
     draft_dir = {"eagle3": models / "eagle3", "standalone": models / "draft",
                  "self": models / "target"}[draft_kind]
@@ -182,9 +188,10 @@ def start_stack(draft_kind: str, models: Path, device: str, dtype: str
     procs = [subprocess.Popen([sys.executable, "-m", "draft_service", "--port", str(draft_port),
                                "--model", str(draft_dir), "--target-model", str(models / "target"),
                                *common], stdout=subprocess.DEVNULL)]
+    limits = [] if max_running is None else ["--max-running", str(max_running)]
     procs.append(subprocess.Popen([sys.executable, "-m", "target_service", "--port",
                                    str(target_port), "--draft", f"127.0.0.1:{draft_port}",
-                                   "--model", str(models / "target"), *common],
+                                   "--model", str(models / "target"), *common, *limits],
                                   stdout=subprocess.DEVNULL))
     return procs, f"127.0.0.1:{target_port}"
 
