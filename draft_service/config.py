@@ -31,6 +31,13 @@ class DraftConfig:
     page_size: int = option(16, "KV-cache page size in tokens")
     max_tree_nodes: int = option(64, "largest tree drafted (nodes, root excluded); larger "
                                  "requests are capped")
+    sampled_trees: bool = option(False, "for requests that sample (temperature > 0), draw each "
+                                 "tree node's children from the draft's own distribution under "
+                                 "the request's temperature/top-k/top-p and send it with the "
+                                 "tree (the target verifies by rejection sampling); off = top-k "
+                                 "trees for every request")
+    proposal_support: int = option(64, "with --sampled-trees: tokens kept in each node's "
+                                   "distribution (the most likely ones, renormalised)")
     init_report: Path | None = option(None, "also write the JSON init report to this file")
     log_level: str = option("INFO", "logging level")
 
@@ -62,7 +69,8 @@ class DraftConfig:
         """Raise ValueError naming the flag to change when a value cannot work."""
         for flag, value in (("--max-running", self.max_running), ("--max-context", self.max_context),
                             ("--page-size", self.page_size),
-                            ("--max-tree-nodes", self.max_tree_nodes)):
+                            ("--max-tree-nodes", self.max_tree_nodes),
+                            ("--proposal-support", self.proposal_support)):
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
         if not Path(self.model).is_dir():

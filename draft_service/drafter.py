@@ -12,6 +12,10 @@ request:
    forward pass (causal, over each sequence's page table).
 3. Trees: for the sequences that ask for one, EAGLE-2 drafting batched over
    the sequences (see :meth:`Drafter._grow`), one forward per tree level.
+   With ``sampled_trees`` on, a sequence that samples gets a *sampled* tree
+   instead: a fixed topology (:func:`sampled_topology`) whose nodes' children
+   are drawn from the draft's own distribution without replacement, sent with
+   that distribution (see :class:`_SampledCandidates`).
 
 A problem with one sequence (unknown, bad features, over the context, out of
 pages) becomes that sequence's ``error`` and the draft forgets the sequence
@@ -21,7 +25,9 @@ Nothing here knows about protobuf.
 
 from __future__ import annotations
 
+import heapq
 import logging
+import math
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -34,12 +40,21 @@ from splitspec.attention.base import AttentionBackend, SeqAttention
 from splitspec.kv_cache import KVCache, OutOfPages, PagePool, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.loader import DTYPES
+from splitspec.sampling import SamplingParams, draw_without_replacement, proposals, uniform
 from splitspec.spec_stats import SpecCounters
-from splitspec.tree import EMPTY_TREE, Tree, depths, match_length
+from splitspec.tree import EMPTY_TREE, Proposal, Tree, depths, match_length
 
 log = logging.getLogger(__name__)
 
 ROOT = -1  # parent of a depth-1 candidate
+
+
+class _RowNext(NamedTuple):
+    """What one drafted row offers its node's children."""
+
+    tokens: list[int]            # the topk most likely target ids
+    logprobs: list[float]        # their log-probs
+    proposal: Proposal | None    # sampled trees: the distribution to draw from
 
 
 class SeqError(Exception):
@@ -64,6 +79,7 @@ class SeqInput:
     hidden_states: bytes = b""  # EAGLE-3: row-major [rows, hidden_dim] target features
     hidden_dim: int = 0
     dtype: str = ""
+    sampling: SamplingParams | None = None  # the request's, when it samples
 
 
 class SeqResult(NamedTuple):
@@ -77,6 +93,8 @@ class DrafterLimits:
     max_running: int     # sequences held over all sessions
     max_context: int     # committed tokens per sequence
     max_tree_nodes: int  # cap on num_draft_tokens
+    sampled_trees: bool = False  # sampled trees for sequences that sample (else top-k trees)
+    proposal_support: int = 64   # tokens kept in a sampled tree's proposal distributions
 
 
 @dataclass
@@ -159,14 +177,21 @@ class _Candidates:
         """Keep the best topk of candidates (ties: generation order) as the next frontier."""
         self.frontier = sorted(candidates, key=lambda c: -self.scores[c])[: self.shape.topk]
 
+    def grow(self, parent: int, tokens: list[int], logprobs: list[float],
+             proposal: Proposal | None) -> list[int]:
+        """Give parent (ROOT or a candidate) its children from the best tokens of its row."""
+        k = self.shape.topk
+        return self.expand(parent, tokens[:k], logprobs[:k])
+
     def frontier_mask(self, step: int) -> torch.Tensor:
-        """[k, E + step * k] bool: each frontier node sees the entries, its ancestors and itself.
+        """[f, E + (step - 1) * k + f] bool: each of the f (at most k) frontier nodes sees the
+        entries, its ancestors and itself.
 
         The frontier of step j (its nodes have depth j) is written to logical
-        slots E + (j - 1) * k ... E + j * k - 1.
+        slots E + (j - 1) * k ... E + (j - 1) * k + f - 1.
         """
-        k, first = self.shape.topk, self.num_entries + (step - 1) * self.shape.topk
-        mask = torch.zeros(k, first + k, dtype=torch.bool)
+        f, first = len(self.frontier), self.num_entries + (step - 1) * self.shape.topk
+        mask = torch.zeros(f, first + f, dtype=torch.bool)
         mask[:, : self.num_entries] = True
         for row, node in enumerate(self.frontier):
             self.slot[node] = first + row
@@ -191,6 +216,97 @@ class _Candidates:
         index = {c: i + 1 for i, c in enumerate(kept)}
         return Tree([self.tokens[c] for c in kept],
                     [0 if self.parents[c] == ROOT else index[self.parents[c]] for c in kept])
+
+
+# Prior weight of a node's r-th draw in a sampled tree (how likely it is to be the one
+# accepted, roughly): it shapes the fixed topology, never depends on what is drawn.
+def _draw_weight(rank: int) -> float:
+    return 0.6 * 0.4**rank
+
+
+def sampled_topology(shape: TreeShape) -> list[list[int]]:
+    """The fixed topology of a sampled tree: children[t] lists the nodes drawn at node t
+    (0 = the root), in draw order; nodes are numbered in creation order.
+
+    Best-first by prior weight (the product of :func:`_draw_weight` along the
+    path) under the shape: num_draft_tokens nodes, depth at most num_steps, at
+    most topk draws per node and at most topk nodes with children per depth
+    (the draft's frontier). It depends on the shape alone, so how many children
+    a node gets never depends on what was drawn there, which keeps recursive
+    rejection sampling exact.
+    """
+    children: list[list[int]] = [[]]
+    weight, depth = [1.0], [0]
+    expanded_per_depth: dict[int, int] = {}
+    heap = [(-_draw_weight(0), 0, 0, 0)]  # (-weight, tie, parent, rank)
+    tie = 1
+    while heap and len(children) - 1 < shape.num_draft_tokens:
+        neg_weight, _, parent, rank = heapq.heappop(heap)
+        if rank == 0:
+            if expanded_per_depth.get(depth[parent], 0) >= shape.topk:
+                continue
+            expanded_per_depth[depth[parent]] = expanded_per_depth.get(depth[parent], 0) + 1
+        node = len(children)
+        children.append([])
+        children[parent].append(node)
+        weight.append(-neg_weight)
+        depth.append(depth[parent] + 1)
+        if rank + 1 < shape.topk:
+            heapq.heappush(heap, (-weight[parent] * _draw_weight(rank + 1), tie, parent, rank + 1))
+            tie += 1
+        if depth[node] < shape.num_steps:
+            heapq.heappush(heap, (-weight[node] * _draw_weight(0), tie, node, 0))
+            tie += 1
+    return children
+
+
+class _SampledCandidates(_Candidates):
+    """A sampled tree: the topology's nodes, each node's children drawn without replacement
+    from the draft's distribution under the request's sampling parameters.
+
+    The i-th draw at topology node t, for the token at position n, uses
+    u(seed, n, "draft", t, i): reproducible for a seed, and independent of the
+    numbers the target verifies with.
+    """
+
+    def __init__(self, shape: TreeShape, num_entries: int, sampling: SamplingParams,
+                 first_position: int) -> None:
+        super().__init__(shape, num_entries)
+        self.sampling = sampling
+        self.first_position = first_position  # position of the depth-1 nodes
+        self.topology = sampled_topology(shape)
+        self.topo: dict[int, int] = {ROOT: 0}  # candidate -> topology node
+        self.proposal: dict[int, Proposal] = {}  # candidate (or ROOT) -> what its children came from
+
+    def grow(self, parent: int, tokens: list[int], logprobs: list[float],
+             proposal: Proposal | None) -> list[int]:
+        slots = self.topology[self.topo[parent]]
+        if not slots or proposal is None:
+            return []
+        position = self.first_position + (0 if parent == ROOT else self.depths[parent])
+        uniforms = [uniform(self.sampling.seed, position, "draft", self.topo[parent], i)
+                    for i in range(len(slots))]
+        self.proposal[parent] = proposal
+        born = []
+        for slot, pick in zip(slots, draw_without_replacement(proposal.probs, uniforms),
+                              strict=False):
+            child = self.expand(parent, [proposal.tokens[pick]], [math.log(proposal.probs[pick])])[0]
+            self.topo[child] = slot
+            born.append(child)
+        return born
+
+    def set_frontier(self, candidates: list[int]) -> None:
+        self.frontier = [c for c in candidates if self.topology[self.topo[c]]]
+
+    def best_tree(self) -> Tree:
+        """Every drawn node, parents first; siblings keep their draw order."""
+        kept = sorted(range(len(self.tokens)), key=lambda c: (self.depths[c], c))
+        index = {c: i + 1 for i, c in enumerate(kept)}
+        empty = Proposal([], [])
+        return Tree([self.tokens[c] for c in kept],
+                    [0 if self.parents[c] == ROOT else index[self.parents[c]] for c in kept],
+                    tuple([self.proposal.get(ROOT, empty),
+                           *(self.proposal.get(c, empty) for c in kept)]))
 
 
 class _TreeJob(NamedTuple):
@@ -368,10 +484,11 @@ class Drafter:
                 except OutOfPages as exc:
                     raise SeqError(f"out of draft KV-cache pages for a {scratch}-node tree scratch "
                                    f"({exc})") from exc
+                candidates = self._candidates(item, shape, state)
             except SeqError as exc:  # becomes this sequence's error in the reply
                 self._fail(session, i, item.seq_id, errors, exc)
                 continue
-            jobs.append(_TreeJob(i, state, _Candidates(shape, state.num_entries)))
+            jobs.append(_TreeJob(i, state, candidates))
         if not jobs:
             return {}
         try:
@@ -384,6 +501,15 @@ class Drafter:
             job.state.last_tree = trees[job.index]
         return trees
 
+    def _candidates(self, item: SeqInput, shape: TreeShape, state: SeqState) -> _Candidates:
+        """Top-k candidates, or sampled ones for a sequence that samples when sampled trees are on."""
+        params = item.sampling
+        if not self.limits.sampled_trees or params is None or params.is_greedy:
+            return _Candidates(shape, state.num_entries)
+        if params.seed is None:
+            raise SeqError("a sampled tree needs the request's seed in sampling.seed")
+        return _SampledCandidates(shape, state.num_entries, params, state.num_tokens)
+
     def _score_tree(self, state: SeqState, committed: list[int]) -> None:
         """Count how much of the last tree the target committed next (draft-side acceptance)."""
         tree = state.last_tree
@@ -394,11 +520,26 @@ class Drafter:
         state.spec.record_verify(tree.num_nodes, depth, accepted)
         self.stats.record_verify(tree.num_nodes, depth, accepted)
 
-    def _top(self, states: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-        """Per row of states [T, X]: the k best log-probs and their target ids (one host sync)."""
-        logprobs = torch.log_softmax(self.model.logits(states), dim=-1)
-        values, draft_ids = logprobs.topk(k, dim=-1)
-        return values.tolist(), self.model.to_target_ids(draft_ids).tolist()
+    def _next(self, states: torch.Tensor, row_jobs: list[_TreeJob]) -> list[_RowNext]:
+        """Per row of states [T, X] (row i a node of row_jobs[i]'s tree): the topk best
+        log-probs and target ids, and for the rows of sampled trees the proposal."""
+        logits = self.model.logits(states)
+        k = max(job.cands.shape.topk for job in row_jobs)
+        values, draft_ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
+        out = [_RowNext(ids, vals, None) for ids, vals in
+               zip(self.model.to_target_ids(draft_ids).tolist(), values.tolist(), strict=True)]
+        by_job: dict[int, list[int]] = {}
+        for row, job in enumerate(row_jobs):
+            if isinstance(job.cands, _SampledCandidates):
+                by_job.setdefault(job.index, []).append(row)
+        for rows in by_job.values():
+            cands = row_jobs[rows[0]].cands
+            ids, probs = proposals(logits[torch.tensor(rows, device=logits.device)],
+                                   cands.sampling, self.limits.proposal_support,
+                                   self.model.to_target_ids)
+            for row, row_ids, row_probs in zip(rows, ids, probs, strict=True):
+                out[row] = out[row]._replace(proposal=Proposal(row_ids, row_probs))
+        return out
 
     def _grow(self, jobs: list[_TreeJob]) -> None:
         """EAGLE-2 drafting, batched over sequences.
@@ -412,25 +553,25 @@ class Drafter:
         children become the next frontier. Sequences with fewer steps drop
         out of later forwards; shapes may differ between sequences.
         """
-        kmax = max(job.cands.shape.topk for job in jobs)
         states = torch.stack([job.state.last_state for job in jobs])  # [B, X]: the roots
-        values, tokens = self._top(states, kmax)
+        nexts = self._next(states, jobs)
         parent_rows: dict[int, list[int]] = {}  # job -> row in states of each frontier node's parent
         for b, job in enumerate(jobs):
-            k = job.cands.shape.topk
-            job.cands.set_frontier(job.cands.expand(ROOT, tokens[b][:k], values[b][:k]))
-            parent_rows[job.index] = [b] * k
+            job.cands.set_frontier(job.cands.grow(ROOT, *nexts[b]))
+            parent_rows[job.index] = [b] * len(job.cands.frontier)
         for step in range(1, max(job.cands.shape.num_steps for job in jobs)):
-            active = [job for job in jobs if job.cands.shape.num_steps > step]
+            active = [job for job in jobs if job.cands.shape.num_steps > step and job.cands.frontier]
+            if not active:
+                break
             states = self._forward_frontiers(active, step, states, parent_rows)
-            values, tokens = self._top(states, kmax)
+            nexts = self._next(states, [job for job in active for _ in job.cands.frontier])
             offset = 0
             for job in active:  # rows of states: each active job's frontier, in order
-                cands, k = job.cands, job.cands.shape.topk
+                cands = job.cands
                 row_of, children = {}, []
                 for row, node in enumerate(cands.frontier, start=offset):
                     row_of[node] = row
-                    children += cands.expand(node, tokens[row][:k], values[row][:k])
+                    children += cands.grow(node, *nexts[row])
                 offset += len(cands.frontier)
                 cands.set_frontier(children)
                 parent_rows[job.index] = [row_of[cands.parents[c]] for c in cands.frontier]

@@ -22,6 +22,7 @@ import grpc
 from draft_service.drafter import Drafter, SeqInput, SeqResult, TreeShape
 from draft_service.models import DraftSpec
 from splitspec.init_report import InitReport
+from splitspec.sampling import SamplingParams
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ def draft_fault_from_env(env: dict[str, str] | None = None) -> str:
     return fault
 
 
-def draft_info(spec: DraftSpec, max_context: int) -> draft_pb2.DraftInfo:
+def draft_info(spec: DraftSpec, max_context: int, sampled_trees: bool = False
+               ) -> draft_pb2.DraftInfo:
     return draft_pb2.DraftInfo(
         kind=spec.kind,
         model_name=spec.name,
@@ -50,6 +52,7 @@ def draft_info(spec: DraftSpec, max_context: int) -> draft_pb2.DraftInfo:
         aux_layer_inputs=list(spec.aux_layer_inputs),
         target_num_layers=spec.target_num_layers,
         max_context=max_context,
+        sampled_trees=sampled_trees,
     )
 
 
@@ -57,12 +60,15 @@ def seq_input_from_pb(pb: draft_pb2.SeqDraftInput) -> SeqInput:
     return SeqInput(
         seq_id=pb.seq_id, start=pb.start, new_tokens=list(pb.new_tokens),
         shape=TreeShape(pb.shape.num_draft_tokens, pb.shape.topk, pb.shape.num_steps),
-        hidden_states=pb.hidden_states, hidden_dim=pb.hidden_dim, dtype=pb.dtype)
+        hidden_states=pb.hidden_states, hidden_dim=pb.hidden_dim, dtype=pb.dtype,
+        sampling=SamplingParams.from_pb(pb.sampling) if pb.HasField("sampling") else None)
 
 
 def tree_to_pb(result: SeqResult) -> draft_pb2.DraftTree:
-    return draft_pb2.DraftTree(seq_id=result.seq_id, tokens=result.tree.tokens,
-                               parents=result.tree.parents, error=result.error)
+    return draft_pb2.DraftTree(
+        seq_id=result.seq_id, tokens=result.tree.tokens, parents=result.tree.parents,
+        error=result.error,
+        proposals=[draft_pb2.Proposal(tokens=p.tokens, probs=p.probs) for p in result.tree.proposals])
 
 
 def corrupt(tree: draft_pb2.DraftTree, vocab_size: int) -> None:

@@ -14,7 +14,14 @@ from typing import NamedTuple
 import torch
 
 from draft_service.config import DraftConfig
-from draft_service.drafter import Drafter, DrafterLimits, SeqInput, TreeShape, encode_features
+from draft_service.drafter import (
+    Drafter,
+    DrafterLimits,
+    SeqInput,
+    TreeShape,
+    encode_features,
+    sampled_topology,
+)
 from draft_service.models import DraftModel, DraftSpec, load_draft_model, read_spec
 from draft_service.servicer import DraftServicer, draft_fault_from_env, draft_info
 from splitspec.attention import AttentionBackend, make_backend
@@ -22,6 +29,7 @@ from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, Startup
 from splitspec.kv_cache import KVCache, PagePool
 from splitspec.model.loader import parse_dtype
+from splitspec.sampling import SamplingParams
 from splitspec.tree import tree_error
 from splitspec.v1 import draft_pb2, draft_pb2_grpc
 
@@ -30,6 +38,7 @@ STEPS = ["load_config", "load_model", "allocate_kv_cache", "init_attention_backe
 WARMUP_TOKENS = 12
 WARMUP_TREE = TreeShape(num_draft_tokens=8, topk=4, num_steps=4)
 WARMUP_CHAIN = TreeShape(num_draft_tokens=4, topk=1, num_steps=4)
+WARMUP_SAMPLING = SamplingParams(temperature=1.0, seed=0)
 GRPC_WORKERS = 16  # each open Exchange stream holds one
 
 
@@ -78,17 +87,18 @@ def capture_cuda_graphs(cfg: DraftConfig) -> Detailed:
 
 
 def warmup_inputs(model: DraftModel, seq_id: int, start: int, tokens: list[int], shape: TreeShape,
-                  generator: torch.Generator) -> SeqInput:
+                  generator: torch.Generator, sampling: SamplingParams | None = None) -> SeqInput:
     """A SeqInput for tokens at start, with random target features when the model needs them."""
     if not model.feature_dim:
-        return SeqInput(seq_id, start, tokens, shape)
+        return SeqInput(seq_id, start, tokens, shape, sampling=sampling)
     rows = len(model.entries(start, tokens).tokens)
     data, dim, dtype = encode_features(torch.randn(rows, model.feature_dim, generator=generator))
-    return SeqInput(seq_id, start, tokens, shape, data, dim, dtype)
+    return SeqInput(seq_id, start, tokens, shape, data, dim, dtype, sampling)
 
 
 def warmup(drafter: Drafter) -> Detailed:
-    """Catch a fake sequence up in two exchanges, draft a tree and a chain, check them, release."""
+    """Catch a fake sequence up in two exchanges, draft a tree and a chain (and a sampled tree
+    when sampled trees are on), check them, release."""
     model, started = drafter.model, time.perf_counter()
     tokens = [(7 * i + 3) % model.vocab_size for i in range(WARMUP_TOKENS)]
     generator = torch.Generator().manual_seed(0)
@@ -96,16 +106,23 @@ def warmup(drafter: Drafter) -> Detailed:
     session = drafter.open_session()
     found = []
     try:
-        exchanges = [(0, tokens[:half], TreeShape(0, 0, 0)), (half, tokens[half:], WARMUP_TREE),
-                     (WARMUP_TOKENS, [], WARMUP_CHAIN)]
-        for start, new, shape in exchanges:
-            item = warmup_inputs(model, 1, start, new, shape, generator)
+        exchanges = [(0, tokens[:half], TreeShape(0, 0, 0), None),
+                     (half, tokens[half:], WARMUP_TREE, None),
+                     (WARMUP_TOKENS, [], WARMUP_CHAIN, None)]
+        if drafter.limits.sampled_trees:
+            exchanges.append((WARMUP_TOKENS, [], WARMUP_TREE, WARMUP_SAMPLING))
+        for start, new, shape, sampling in exchanges:
+            item = warmup_inputs(model, 1, start, new, shape, generator, sampling)
             (result,) = drafter.draft(session, [item])
             if result.error:
                 raise RuntimeError(f"warmup draft failed: {result.error}")
             if shape.num_draft_tokens:
                 want = drafter.capped(shape).num_draft_tokens
                 problem = tree_error(result.tree, model.vocab_size, want)
+                if sampling is not None:
+                    want = len(sampled_topology(drafter.capped(shape))) - 1
+                    if not result.tree.proposals:
+                        problem = "a sampled tree without proposals"
                 if problem or result.tree.num_nodes != want:
                     raise RuntimeError(f"warmup drafted a bad tree ({problem or 'size'}): {result.tree}")
                 found.append(result.tree.num_nodes)
@@ -114,12 +131,13 @@ def warmup(drafter: Drafter) -> Detailed:
         drafter.close_session(session)
     if drafter.num_held:
         raise RuntimeError(f"warmup left {drafter.num_held} sequences held after release")
-    return Detailed(None, f"tree of {found[0]} nodes, chain of {found[1]} in "
+    sampled = f", sampled tree of {found[2]}" if len(found) > 2 else ""
+    return Detailed(None, f"tree of {found[0]} nodes, chain of {found[1]}{sampled} in "
                     f"{time.perf_counter() - started:.2f}s")
 
 
 def start_server(cfg: DraftConfig, spec: DraftSpec, drafter: Drafter, startup: Startup) -> Detailed:
-    servicer = DraftServicer(drafter, draft_info(spec, cfg.max_context), startup.report,
+    servicer = DraftServicer(drafter, draft_info(spec, cfg.max_context, cfg.sampled_trees), startup.report,
                              draft_fault_from_env())
     name = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
     server = ServiceServer(cfg.address, GRPC_WORKERS, [name])
@@ -136,7 +154,8 @@ def build(cfg: DraftConfig, startup: Startup) -> Built:
     cache, pool = startup.step("allocate_kv_cache", allocate_kv_cache, cfg, model)
     backend: AttentionBackend = startup.step("init_attention_backend", init_attention_backend, cfg)
     startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg)
-    limits = DrafterLimits(cfg.max_running, cfg.max_context, cfg.max_tree_nodes)
+    limits = DrafterLimits(cfg.max_running, cfg.max_context, cfg.max_tree_nodes,
+                           cfg.sampled_trees, cfg.proposal_support)
 
     def build_and_warm() -> Detailed:
         drafter = Drafter(model, cache, pool, backend, limits)

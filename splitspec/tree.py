@@ -5,22 +5,44 @@ A tree travels as ``(tokens, parents)`` (draft.proto ``DraftTree``): node i of
 and ``parents[i]`` is the tree index of node i's parent, so
 ``0 <= parents[i] <= i``: parents precede children. Everything else (depths,
 masks, positions, the accepted path) is derived here by pure functions.
+
+A *sampled* tree also carries ``proposals``: for every tree index, the sparse
+distribution q its children were drawn from (without replacement, in index
+order). It is verified by :func:`splitspec.sampling.accept_sampled_tree`.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
+
+PROPOSAL_SUM_TOLERANCE = 1e-3  # |sum(q) - 1| allowed for a proposal sent as float32
+
+
+class Proposal(NamedTuple):
+    """A sparse distribution: probs[i] = q(tokens[i]); empty for a node without children."""
+
+    tokens: list[int]
+    probs: list[float]
 
 
 class Tree(NamedTuple):
     tokens: list[int]   # drafted nodes, tree indices 1..len(tokens)
     parents: list[int]  # tree index of each node's parent (0 = root)
+    proposals: tuple[Proposal, ...] = ()  # sampled trees: one per tree index; () = top-k tree
 
     @property
     def num_nodes(self) -> int:
         return len(self.tokens)
+
+    def children(self) -> dict[int, list[int]]:
+        """Tree index -> its children's tree indices, in index order."""
+        out: dict[int, list[int]] = {}
+        for i, parent in enumerate(self.parents, start=1):
+            out.setdefault(parent, []).append(i)
+        return out
 
 
 EMPTY_TREE = Tree([], [])
@@ -37,6 +59,30 @@ def tree_error(tree: Tree, vocab_size: int, max_nodes: int) -> str | None:
             return f"node {i + 1} has token {token} outside the vocabulary [0, {vocab_size})"
         if not 0 <= parent <= i:
             return f"node {i + 1} has parent {parent}; parents must precede children (0 <= parent <= {i})"
+    return _proposals_error(tree, vocab_size) if tree.proposals else None
+
+
+def _proposals_error(tree: Tree, vocab_size: int) -> str | None:
+    """Why a sampled tree's proposals cannot be verified against: each node with children
+    needs a distribution (non-negative, summing to 1, over distinct in-vocabulary ids) in
+    which its children are distinct tokens of positive probability."""
+    if len(tree.proposals) != tree.num_nodes + 1:
+        return f"{len(tree.proposals)} proposals for {tree.num_nodes + 1} tree indices"
+    for index, kids in tree.children().items():
+        tokens, probs = tree.proposals[index]
+        where = f"proposal of tree index {index}"
+        if len(tokens) != len(probs):
+            return f"{where} has {len(tokens)} tokens but {len(probs)} probabilities"
+        if len(set(tokens)) != len(tokens) or any(not 0 <= t < vocab_size for t in tokens):
+            return f"{where} repeats a token or leaves the vocabulary [0, {vocab_size})"
+        if any(not math.isfinite(p) or p < 0 for p in probs) or \
+                abs(math.fsum(probs) - 1) > PROPOSAL_SUM_TOLERANCE:
+            return f"{where} is not a distribution (sum {math.fsum(probs):.6f})"
+        q = dict(zip(tokens, probs, strict=True))
+        drawn = [tree.tokens[c - 1] for c in kids]
+        if len(set(drawn)) != len(drawn) or any(q.get(t, 0.0) <= 0 for t in drawn):
+            return (f"children {drawn} of tree index {index} are not distinct draws from its "
+                    "proposal")
     return None
 
 
@@ -90,9 +136,7 @@ def accept_tree(tree: Tree, chosen: list[int]) -> Acceptance:
     pass. (Accepting child x when the sample lands on it is the "sample from p,
     accept the child it lands on, else keep the sample" rule; REFERENCE.md.)
     """
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(tree.parents, start=1):
-        children.setdefault(parent, []).append(i)
+    children = tree.children()
     path, out, node = [], [], 0
     while True:
         want = chosen[node]

@@ -4,8 +4,9 @@ Each step: take admissions, cancellations and policy updates from the inbox;
 admit what fits; ask the draft for trees for the decoding sequences that
 speculate this step (one exchange); run ONE forward over the newcomers'
 prompts (causal) and every decoding sequence's root plus tree (tree mask);
-accept the longest greedy path plus the bonus token; compact the KV cache to
-the accepted path; emit token deltas. The loop never waits on the gateway.
+accept a path plus one more token (greedy: the longest path the argmax
+follows; sampling: see splitspec.sampling); compact the KV cache to the
+accepted path; emit token deltas. The loop never waits on the gateway.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from splitspec.attention.base import AttentionBackend, SeqAttention
 from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.llama import LlamaForCausalLM
-from splitspec.sampling import SamplingParams, choose
+from splitspec.sampling import SamplingParams, accept_sampled_tree, choose, probabilities
 from splitspec.tree import (
     EMPTY_TREE,
+    Acceptance,
+    Proposal,
     Tree,
     accept_tree,
     depths,
@@ -56,7 +59,8 @@ class EngineLimits:
 
 
 class _ForwardResult(NamedTuple):
-    chosen: list[int]          # the target's token per logit row (argmax or sample), batch order
+    prefill_tokens: list[int]     # the token after each prompt, prefill order
+    accepted: list[Acceptance]    # each decoding sequence's accepted path and tokens, decode order
     aux: torch.Tensor | None   # [T, k * H] captured features of every new token
     starts: list[int]          # query range of batch entry i: [starts[i], starts[i + 1])
 
@@ -313,6 +317,8 @@ class Engine:
         start = seq.draft_synced
         item = draft_pb2.SeqDraftInput(seq_id=seq.seq_id, start=start,
                                        new_tokens=seq.tokens[start:], shape=shape)
+        if not seq.sampling.is_greedy:
+            item.sampling.CopyFrom(seq.sampling.to_pb())
         if seq.features is not None:
             rows = seq.features.rows(max(start - 1, 0), seq.num_cached)
             item.hidden_states = rows.contiguous().cpu().view(torch.uint8).numpy().tobytes()
@@ -326,7 +332,10 @@ class Engine:
             seq.draft_synced = 0  # resend everything next time
             return None
         seq.draft_synced = len(seq.tokens)
-        tree = Tree(list(pb.tokens), list(pb.parents))
+        # A greedy sequence verifies by argmax whatever the draft sent: proposals do not matter.
+        proposals = () if seq.sampling.is_greedy else tuple(
+            Proposal(list(p.tokens), list(p.probs)) for p in pb.proposals)
+        tree = Tree(list(pb.tokens), list(pb.parents), proposals)
         problem = tree_error(tree, self.limits.vocab_size, budget)
         if problem:
             log.warning("rejected draft tree for sequence %d: %s", seq.seq_id, problem)
@@ -338,8 +347,8 @@ class Engine:
                  trees: dict[int, Tree]) -> _ForwardResult:
         """One forward over every new token: prompts (causal) and roots plus trees (tree mask).
 
-        Returns the greedy token after every prompt's last token and after every
-        root and tree node, in batch order, and the captured features.
+        Returns the token after every prompt, what every decoding sequence
+        accepts, and the captured features.
         """
         ids, pos, attn = [], [], []
         for seq in prefill:
@@ -366,38 +375,50 @@ class Engine:
                              self.capture)
             rows = torch.tensor(logit_rows, device=self.device)
             logits = self.model.compute_logits(out.hidden[rows])
-            chosen = self._choose(logits, prefill, decode, trees)
-        return _ForwardResult(chosen, out.aux, starts)
+            prefill_tokens, accepted = self._choose(logits, prefill, decode, trees)
+        return _ForwardResult(prefill_tokens, accepted, out.aux, starts)
 
     def _choose(self, logits: torch.Tensor, prefill: list[Sequence], decode: list[Sequence],
-                trees: dict[int, Tree]) -> list[int]:
-        """The target's token after every logit row: argmax, or for sequences that sample the
-        draw of their seed at the position the token would take (see splitspec.sampling)."""
-        chosen = logits.argmax(dim=-1).tolist()
-        row = 0
-        for seq in [*prefill, *decode]:
-            tree = trees.get(seq.seq_id, EMPTY_TREE) if seq.is_prefilled else None
-            num = 1 if tree is None else 1 + tree.num_nodes
-            if not seq.sampling.is_greedy:
-                where = ([len(seq.prompt_ids)] if tree is None
-                         else [seq.num_cached + 1 + d for d in depths(tree.parents)])
-                chosen[row: row + num] = choose(logits[row: row + num], seq.sampling, where)
+                trees: dict[int, Tree]) -> tuple[list[int], list[Acceptance]]:
+        """The token after every prompt, and every decoding sequence's acceptance.
+
+        Greedy: the argmax. Sampling: the draw of the sequence's seed at the
+        position the token takes; a top-k tree accepts the child that draw lands
+        on, a sampled tree (with proposals) is verified by recursive rejection
+        sampling (see splitspec.sampling)."""
+        greedy = logits.argmax(dim=-1).tolist()
+        prefill_tokens = []
+        for row, seq in enumerate(prefill):
+            prefill_tokens.append(greedy[row] if seq.sampling.is_greedy else
+                                  choose(logits[row: row + 1], seq.sampling,
+                                         [len(seq.prompt_ids)])[0])
+        accepted, row = [], len(prefill)
+        for seq in decode:
+            tree = trees.get(seq.seq_id, EMPTY_TREE)
+            rows, num = logits[row: row + 1 + tree.num_nodes], 1 + tree.num_nodes
+            params = seq.sampling
+            if params.is_greedy:
+                accepted.append(accept_tree(tree, greedy[row: row + num]))
+            elif tree.proposals:
+                accepted.append(accept_sampled_tree(tree, probabilities(rows, params), params.seed,
+                                                    seq.num_cached))
+            else:
+                where = [seq.num_cached + 1 + d for d in depths(tree.parents)]
+                accepted.append(accept_tree(tree, choose(rows, params, where)))
             row += num
-        return chosen
+        return prefill_tokens, accepted
 
     def _commit(self, prefill: list[Sequence], decode: list[Sequence], trees: dict[int, Tree],
                 result: _ForwardResult) -> tuple[int, int]:
         """Accept, compact and emit for every sequence; returns (drafted, accepted) tokens."""
-        chosen, aux, starts = result
         for i, seq in enumerate(prefill):
-            self._commit_prefill(seq, chosen[i], aux, starts[i], starts[i + 1])
+            self._commit_prefill(seq, result.prefill_tokens[i], result.aux, result.starts[i],
+                                 result.starts[i + 1])
         drafted = accepted = 0
-        cursor = len(prefill)
-        for i, seq in enumerate(decode, start=len(prefill)):
+        for i, (seq, acceptance) in enumerate(zip(decode, result.accepted, strict=True)):
             tree = trees.get(seq.seq_id, EMPTY_TREE)
-            picks = chosen[cursor: cursor + 1 + tree.num_nodes]
-            cursor += 1 + tree.num_nodes
-            accepted += self._commit_decode(seq, tree, picks, aux, starts[i])
+            accepted += self._commit_decode(seq, tree, acceptance, result.aux,
+                                            result.starts[len(prefill) + i])
             drafted += tree.num_nodes
         return drafted, accepted
 
@@ -410,10 +431,9 @@ class Engine:
             seq.features.append(aux[lo:hi])
         self._emit_tokens(seq, [token])
 
-    def _commit_decode(self, seq: Sequence, tree: Tree, chosen: list[int],
+    def _commit_decode(self, seq: Sequence, tree: Tree, acceptance: Acceptance,
                        aux: torch.Tensor | None, lo: int) -> int:
-        """Accept, compact the KV cache to the accepted path, commit tokens; returns accepted count."""
-        acceptance = accept_tree(tree, chosen)
+        """Compact the KV cache to the accepted path, commit tokens; returns accepted count."""
         length = seq.num_cached
         kept = [0, *acceptance.path]  # tree indices whose K/V stays: root then accepted nodes
         moved = [(length + src, length + dst) for dst, src in enumerate(kept) if src != dst]

@@ -21,7 +21,7 @@ from splitspec.model.config import LlamaConfig, read_hf_config
 from splitspec.model.llama import LlamaForCausalLM
 from splitspec.model.loader import load_llama, parse_dtype
 from splitspec.tokenizer import tokenizer_sha256
-from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from splitspec.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.draft_client import DraftLink
 from target_service.engine import Engine, EngineLimits, always_speculate
@@ -136,26 +136,34 @@ def draft_mismatches(info: object, spec: ModelSpec) -> list[str]:
     return problems
 
 
-def warmup(engine: Engine, has_draft: bool, default_shape: common_pb2.DraftShape) -> Detailed:
+def warmup(engine: Engine, draft_info: draft_pb2.DraftInfo | None,
+           default_shape: common_pb2.DraftShape) -> Detailed:
     """Real generations through every path: plain, and with a draft tree and a chain, greedy
     and sampled.
 
     Speculation must reproduce plain decoding exactly, greedy and seeded-sampled alike (a
     seeded request draws the same number for the same position either way); a mismatch
-    fails start-up.
+    fails start-up. A draft with sampled trees changes which numbers a seeded request
+    uses, so there the check is that the request is reproducible and its trees verified.
     """
     plain, _ = engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS, common_pb2.SPECULATION_MODE_OFF)
     sampled = common_pb2.SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=1)
     sampled_plain, _ = engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS,
                                        common_pb2.SPECULATION_MODE_OFF, sampling=sampled)
-    if has_draft:
-        sampled_spec, _ = engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS,
-                                          common_pb2.SPECULATION_MODE_ON, sampling=sampled)
-        if sampled_spec != sampled_plain:
-            raise RuntimeError(f"a seeded sampled request gave {sampled_spec} with speculation "
-                               f"and {sampled_plain} without: verification is broken")
-    if not has_draft:
+    if draft_info is None:
         return Detailed(None, "plain decoding ran (no draft)")
+    sampled_spec, stats = engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS,
+                                          common_pb2.SPECULATION_MODE_ON, sampling=sampled)
+    if draft_info.sampled_trees:
+        again, _ = engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS,
+                                   common_pb2.SPECULATION_MODE_ON, sampling=sampled)
+        if again != sampled_spec or stats.verify_steps == 0:
+            raise RuntimeError(f"a seeded request with sampled trees gave {sampled_spec}, then "
+                               f"{again} ({stats.verify_steps} trees verified): it must be "
+                               "reproducible and verify its trees")
+    elif sampled_spec != sampled_plain:
+        raise RuntimeError(f"a seeded sampled request gave {sampled_spec} with speculation "
+                           f"and {sampled_plain} without: verification is broken")
     chain = common_pb2.DraftShape(num_draft_tokens=default_shape.num_steps, topk=1,
                                   num_steps=default_shape.num_steps)
     for name, shape in (("tree", default_shape), ("chain", chain)):
@@ -206,7 +214,7 @@ def build(cfg: TargetConfig, startup: Startup, start_engine: Callable[[Engine], 
     engine = Engine(model, cache, backend, Scheduler(pool, cfg.max_running, cfg.max_tree_nodes),
                     limits, draft.link if draft else None, draft.capture if draft else (), cfg.device)
     start_engine(engine)
-    startup.step("warmup", warmup, engine, draft is not None, default_shape)
+    startup.step("warmup", warmup, engine, draft.link.info if draft else None, default_shape)
     info = target_pb2.TargetInfo(
         model_name=cfg.model.name, vocab_size=spec.config.vocab_size,
         tokenizer_sha256=spec.tokenizer_sha256, eos_token_ids=list(spec.config.eos_token_ids),

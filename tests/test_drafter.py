@@ -3,8 +3,10 @@ per-sequence errors, and the servicer over an in-process gRPC server."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
+from collections import Counter
 
 import grpc
 import pytest
@@ -12,7 +14,14 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from draft_service.config import DraftConfig
-from draft_service.drafter import Drafter, DrafterLimits, SeqInput, TreeShape, encode_features
+from draft_service.drafter import (
+    Drafter,
+    DrafterLimits,
+    SeqInput,
+    TreeShape,
+    encode_features,
+    sampled_topology,
+)
 from draft_service.models import EAGLE3, STANDALONE, DraftModel, load_draft_model, read_spec
 from draft_service.servicer import DRAFT_FAULT_ENV, DraftServicer, draft_fault_from_env, draft_info
 from draft_service.startup import allocate_kv_cache, warmup
@@ -22,8 +31,10 @@ from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import InitReport
 from splitspec.kv_cache import KVCache, PagePool
 from splitspec.model.config import read_hf_config
+from splitspec.sampling import SamplingParams, proposals
 from splitspec.tree import Tree, depths, tree_error
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from tests.stats import chi_square, critical
 
 TREE = TreeShape(num_draft_tokens=8, topk=4, num_steps=4)
 CHAIN = TreeShape(num_draft_tokens=5, topk=1, num_steps=5)
@@ -71,22 +82,25 @@ def fake_features(model: DraftModel, rows: int, seed: int = 0) -> torch.Tensor:
 
 
 def seq_input(model: DraftModel, seq_id: int, start: int, tokens: list[int], shape: TreeShape,
-              features: torch.Tensor | None = None) -> SeqInput:
+              features: torch.Tensor | None = None, sampling: SamplingParams | None = None
+              ) -> SeqInput:
     """new_tokens = tokens[start:], with the feature rows the target would send."""
     new = tokens[start:]
     if not model.feature_dim:
-        return SeqInput(seq_id, start, new, shape)
+        return SeqInput(seq_id, start, new, shape, sampling=sampling)
     lo, hi = max(start - 1, 0), len(tokens) - 1
     data, dim, dtype = encode_features(features[lo:hi])
-    return SeqInput(seq_id, start, new, shape, data, dim, dtype)
+    return SeqInput(seq_id, start, new, shape, data, dim, dtype, sampling)
 
 
-def draft_one(drafter: Drafter, tokens: list[int], shape: TreeShape, seed: int = 0) -> Tree:
+def draft_one(drafter: Drafter, tokens: list[int], shape: TreeShape, seed: int = 0,
+              sampling: SamplingParams | None = None) -> Tree:
     """A fresh session, one exchange from 0; returns the tree."""
     features = fake_features(drafter.model, len(tokens), seed) if drafter.model.feature_dim else None
     session = drafter.open_session()
     try:
-        (result,) = drafter.draft(session, [seq_input(drafter.model, 1, 0, tokens, shape, features)])
+        (result,) = drafter.draft(session, [seq_input(drafter.model, 1, 0, tokens, shape, features,
+                                                      sampling)])
     finally:
         drafter.close_session(session)
     assert result.error == ""
@@ -130,26 +144,31 @@ def llama_reference(model, token_ids: list[int]) -> torch.Tensor:
     return model.compute_logits(model.model.norm(h))
 
 
+def reference_logprobs(model: DraftModel, tokens: list[int], features: torch.Tensor | None,
+                       path: list[int]) -> torch.Tensor:
+    """Draft log-probs after the committed tokens and a path of drafted tokens, uncached."""
+    with torch.inference_mode():
+        if not model.feature_dim:
+            logits = llama_reference(model.model, tokens + path)[-1]
+        else:  # entries (fc(h_i), t_{i+1}), then nodes (g of the parent, node token)
+            head = model.head
+            ids = torch.tensor(tokens[1:] + path)
+            hidden = head.fuse(features[: len(tokens) - 1])
+            for _ in path:  # each node's hidden is the g its parent produced
+                _, g = eagle3_reference(head, ids[: len(hidden)], hidden)
+                hidden = torch.cat((hidden, g[-1:]))
+            logits, _ = eagle3_reference(head, ids, hidden)
+            logits = logits[-1]
+    return torch.log_softmax(logits, dim=-1)
+
+
 def reference_tree(model: DraftModel, tokens: list[int], features: torch.Tensor | None,
                    shape: TreeShape) -> Tree:
     """EAGLE-2 drafting with one uncached forward per expanded node (see drafter.py)."""
     k, steps, budget = shape.topk, shape.num_steps, shape.num_draft_tokens
 
     def next_logprobs(path: list[int]) -> torch.Tensor:
-        """log-probs after the committed tokens and a path of drafted tokens."""
-        with torch.inference_mode():
-            if not model.feature_dim:
-                logits = llama_reference(model.model, tokens + path)[-1]
-            else:  # entries (fc(h_i), t_{i+1}), then nodes (g of the parent, node token)
-                head = model.head
-                ids = torch.tensor(tokens[1:] + path)
-                hidden = head.fuse(features[: len(tokens) - 1])
-                for _ in path:  # each node's hidden is the g its parent produced
-                    _, g = eagle3_reference(head, ids[: len(hidden)], hidden)
-                    hidden = torch.cat((hidden, g[-1:]))
-                logits, _ = eagle3_reference(head, ids, hidden)
-                logits = logits[-1]
-        return torch.log_softmax(logits, dim=-1)
+        return reference_logprobs(model, tokens, features, path)
 
     cands: list[tuple[list[int], float]] = []  # (path of target ids, score), generation order
     parent_of: list[int] = []
@@ -180,6 +199,88 @@ def reference_tree(model: DraftModel, tokens: list[int], features: torch.Tensor 
 
 
 # ---- tree shape ---------------------------------------------------------------------------
+
+
+def with_sampled_trees(drafter: Drafter) -> Drafter:
+    """The same model, cache and pages, drafting sampled trees for sequences that sample."""
+    return Drafter(drafter.model, drafter.cache, drafter.pool, drafter.backend,
+                   dataclasses.replace(drafter.limits, sampled_trees=True, proposal_support=16))
+
+
+SAMPLED = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, seed=5)
+
+
+def child_profile(children: dict[int, list[int]], depth_of: list[int]) -> list[tuple[int, int]]:
+    """Sorted (depth, number of children) of every node that has children."""
+    return sorted((depth_of[node], len(kids)) for node, kids in children.items() if kids)
+
+
+def test_sampled_tree_has_the_topology_and_the_draft_distribution(drafter):
+    """A sampled tree: the fixed topology of its shape, siblings distinct, and each node's
+    proposal the draft's own distribution at that node (checked against uncached drafting),
+    reproducible for a seed."""
+    sampler = with_sampled_trees(drafter)
+    model = drafter.model
+    tokens = fake_tokens(14, seed=4)
+    features = fake_features(model, 14, seed=4) if model.feature_dim else None
+    for shape in (TREE, CHAIN, TreeShape(6, 3, 3)):
+        tree = draft_one(sampler, tokens, shape, seed=4, sampling=SAMPLED)
+        topology = sampled_topology(shape)
+        assert tree.num_nodes == len(topology) - 1, shape
+        assert tree_error(tree, model.vocab_size, shape.num_draft_tokens) is None
+        topo_depths = [0] * len(topology)
+        for node, kids in enumerate(topology):
+            for kid in kids:
+                topo_depths[kid] = topo_depths[node] + 1
+        assert child_profile(tree.children(), depths(tree.parents)) == \
+            child_profile(dict(enumerate(topology)), topo_depths)
+        paths = [[]]
+        for token, parent in zip(tree.tokens, tree.parents, strict=True):
+            paths.append([*paths[parent], token])
+        for index in tree.children():
+            logprobs = reference_logprobs(model, tokens, features, paths[index])
+            ids, probs = proposals(logprobs[None], SAMPLED, 16, model.to_target_ids)
+            got = tree.proposals[index]
+            assert got.tokens == ids[0], (shape, index)
+            torch.testing.assert_close(torch.tensor(got.probs), torch.tensor(probs[0]),
+                                       atol=2e-4, rtol=0)
+        assert draft_one(sampler, tokens, shape, seed=4, sampling=SAMPLED) == tree
+    other = draft_one(sampler, tokens, TREE, seed=4, sampling=dataclasses.replace(SAMPLED, seed=6))
+    assert other.tokens != draft_one(sampler, tokens, TREE, seed=4, sampling=SAMPLED).tokens
+
+
+def test_sampled_draws_follow_the_distribution_sent(standalone):
+    """Over seeds, the root's first two draws are distributed as the q the tree carries
+    (first ~ q, second ~ q without the first): the draft draws from what it claims."""
+    sampler = with_sampled_trees(standalone)
+    tokens = fake_tokens(10, seed=8)
+    params = SamplingParams(temperature=1.0, top_k=6)
+    shape = TreeShape(2, 2, 1)
+    pairs: Counter = Counter()
+    q = None
+    for seed in range(3000):
+        tree = draft_one(sampler, tokens, shape, sampling=dataclasses.replace(params, seed=seed))
+        q = dict(zip(*tree.proposals[0], strict=True))
+        pairs[tuple(tree.tokens)] += 1
+    exact = {(a, b): qa * qb / (1 - qa) for a, qa in q.items() for b, qb in q.items() if a != b}
+    stat, df = chi_square(pairs, exact, 3000)
+    assert set(pairs) <= set(exact) and len(exact) == 30
+    assert stat < critical(df), (stat, df, pairs.most_common(5))
+
+
+def test_sampled_trees_only_for_sequences_that_sample(standalone):
+    sampler = with_sampled_trees(standalone)
+    tokens = fake_tokens(12, seed=9)
+    greedy = draft_one(sampler, tokens, TREE, sampling=SamplingParams())
+    assert greedy == draft_one(standalone, tokens, TREE) and not greedy.proposals
+    assert draft_one(standalone, tokens, TREE, sampling=SAMPLED).proposals == ()  # option off
+    session = sampler.open_session()
+    try:
+        (result,) = sampler.draft(session, [seq_input(sampler.model, 1, 0, tokens, TREE,
+                                                      sampling=SamplingParams(temperature=1.0))])
+    finally:
+        sampler.close_session(session)
+    assert "seed" in result.error
 
 
 def test_topk1_is_a_chain_of_num_steps(drafter):

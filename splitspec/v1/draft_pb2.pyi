@@ -26,7 +26,7 @@ class GetDraftInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftInfo(_message.Message):
-    __slots__ = ("kind", "model_name", "vocab_size", "tokenizer_sha256", "needs_hidden_states", "target_hidden_size", "aux_layer_inputs", "target_num_layers", "max_context")
+    __slots__ = ("kind", "model_name", "vocab_size", "tokenizer_sha256", "needs_hidden_states", "target_hidden_size", "aux_layer_inputs", "target_num_layers", "max_context", "sampled_trees")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class DraftInfo(_message.Message):
     AUX_LAYER_INPUTS_FIELD_NUMBER: _ClassVar[int]
     TARGET_NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TREES_FIELD_NUMBER: _ClassVar[int]
     kind: str
     model_name: str
     vocab_size: int
@@ -45,10 +46,11 @@ class DraftInfo(_message.Message):
     aux_layer_inputs: _containers.RepeatedScalarFieldContainer[int]
     target_num_layers: int
     max_context: int
-    def __init__(self, kind: _Optional[str] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_sha256: _Optional[str] = ..., needs_hidden_states: _Optional[bool] = ..., target_hidden_size: _Optional[int] = ..., aux_layer_inputs: _Optional[_Iterable[int]] = ..., target_num_layers: _Optional[int] = ..., max_context: _Optional[int] = ...) -> None: ...
+    sampled_trees: bool
+    def __init__(self, kind: _Optional[str] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_sha256: _Optional[str] = ..., needs_hidden_states: _Optional[bool] = ..., target_hidden_size: _Optional[int] = ..., aux_layer_inputs: _Optional[_Iterable[int]] = ..., target_num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., sampled_trees: _Optional[bool] = ...) -> None: ...
 
 class SeqDraftInput(_message.Message):
-    __slots__ = ("seq_id", "start", "new_tokens", "hidden_states", "hidden_dim", "dtype", "shape")
+    __slots__ = ("seq_id", "start", "new_tokens", "hidden_states", "hidden_dim", "dtype", "shape", "sampling")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -56,6 +58,7 @@ class SeqDraftInput(_message.Message):
     HIDDEN_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -63,7 +66,8 @@ class SeqDraftInput(_message.Message):
     hidden_dim: int
     dtype: str
     shape: _common_pb2.DraftShape
-    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ..., hidden_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Union[_common_pb2.DraftShape, _Mapping]] = ...) -> None: ...
+    sampling: _common_pb2.SamplingParams
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ..., hidden_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Union[_common_pb2.DraftShape, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("step", "seqs", "release_ids", "traceparent")
@@ -78,18 +82,26 @@ class DraftRequest(_message.Message):
     def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqDraftInput, _Mapping]]] = ..., release_ids: _Optional[_Iterable[int]] = ..., traceparent: _Optional[bytes] = ...) -> None: ...
 
 class DraftTree(_message.Message):
-    __slots__ = ("seq_id", "tokens", "parents", "draft_probs", "error")
+    __slots__ = ("seq_id", "tokens", "parents", "error", "proposals")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     PARENTS_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROPOSALS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     parents: _containers.RepeatedScalarFieldContainer[int]
-    draft_probs: _containers.RepeatedScalarFieldContainer[float]
     error: str
-    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., error: _Optional[str] = ...) -> None: ...
+    proposals: _containers.RepeatedCompositeFieldContainer[Proposal]
+    def __init__(self, seq_id: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., proposals: _Optional[_Iterable[_Union[Proposal, _Mapping]]] = ...) -> None: ...
+
+class Proposal(_message.Message):
+    __slots__ = ("tokens", "probs")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROBS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    probs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., probs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class DraftReply(_message.Message):
     __slots__ = ("step", "trees", "draft_s")
