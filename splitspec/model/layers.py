@@ -11,6 +11,7 @@ from torch import nn
 from splitspec.attention.base import AttentionBackend, AttentionMetadata
 from splitspec.kv_cache import KVCache
 from splitspec.model.config import LlamaConfig, RopeConfig
+from splitspec.model.parallel import SINGLE, TPGroup, layout
 
 
 @dataclass
@@ -73,14 +74,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, in_features: int | None = None) -> None:
+    """Self-attention over this rank's heads (all of them without tensor parallelism)."""
+
+    def __init__(self, cfg: LlamaConfig, in_features: int | None = None,
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
         in_features = in_features or cfg.hidden_size
+        self.tp = tp
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(in_features, cfg.num_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_features, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_features, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if tp.size > 1:
+            lay = layout(cfg, tp)
+            self.num_heads, self.num_kv_heads = lay.heads, lay.kv_heads
+        self.q_proj = nn.Linear(in_features, self.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int,
@@ -91,28 +99,31 @@ class LlamaAttention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(q, k, positions)
         out = ctx.backend.forward(ctx.layer_offset + layer, q, k, v, ctx.meta, ctx.cache)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.tp = tp
+        start, stop = layout(cfg, tp).inter if tp.size > 1 else (0, cfg.intermediate_size)
+        self.gate_proj = nn.Linear(cfg.hidden_size, stop - start, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, stop - start, bias=False)
+        self.down_proj = nn.Linear(stop - start, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.tp.all_reduce(
+            self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.layer = layer
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg)
+        self.self_attn = LlamaAttention(cfg, tp=tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), positions, self.layer, ctx)

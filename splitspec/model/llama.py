@@ -1,4 +1,5 @@
-"""A Llama-architecture causal LM over a flat batch of tokens and a paged KV cache."""
+"""A Llama-architecture causal LM over a flat batch of tokens and a paged KV cache,
+optionally one rank's shard of it (splitspec.model.parallel)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from torch import nn
 
 from splitspec.model.config import LlamaConfig
 from splitspec.model.layers import AttentionContext, LlamaDecoderLayer, RMSNorm
+from splitspec.model.parallel import SINGLE, TPGroup, VocabParallelEmbedding, layout
 
 
 class LlamaOutput(NamedTuple):
@@ -17,21 +19,24 @@ class LlamaOutput(NamedTuple):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = (nn.Embedding(cfg.vocab_size, cfg.hidden_size) if tp.size == 1
+                             else VocabParallelEmbedding(cfg, tp))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names match Hugging Face's LlamaForCausalLM, so checkpoints load as they are."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(cfg, tp)
+        start, stop = layout(cfg, tp).vocab if tp.size > 1 else (0, cfg.vocab_size)
+        self.lm_head = nn.Linear(cfg.hidden_size, stop - start, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 capture: tuple[int, ...] = ()) -> LlamaOutput:
@@ -53,5 +58,10 @@ class LlamaForCausalLM(nn.Module):
         return LlamaOutput(self.model.norm(h), aux)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [N, V] in float32 for normed hidden states [N, H]."""
-        return self.lm_head(hidden).float()
+        """Logits [N, V] in float32 for normed hidden states [N, H] (on every rank)."""
+        logits = self.lm_head(hidden).float()
+        if self.tp.size == 1:
+            return logits
+        width = layout(self.config, self.tp).vocab_shard
+        logits = nn.functional.pad(logits, (0, width - logits.shape[-1]))
+        return self.tp.all_gather_last(logits)[:, : self.config.vocab_size]

@@ -14,6 +14,7 @@ from splitspec.model.config import Eagle3Config, LlamaConfig, read_hf_config
 from splitspec.model.eagle3 import Eagle3Head
 from splitspec.model.layers import Rotary, rope_inv_freq
 from splitspec.model.llama import LlamaForCausalLM
+from splitspec.model.parallel import SINGLE, WHOLE, Shard, TPGroup, shard_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -36,13 +37,23 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_tensors(model_dir: Path, desc: str) -> dict[str, torch.Tensor]:
+def read_tensors(model_dir: Path, desc: str, plan: dict[str, Shard] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint; with a shard plan only each tensor's slice is read."""
     tensors: dict[str, torch.Tensor] = {}
     files = safetensors_files(model_dir)
+    plan = plan or {}
     for path in tqdm(files, desc=desc, unit="file", disable=len(files) < 2):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                tensors[name] = f.get_tensor(name)
+                shard = plan.get(name, WHOLE)
+                if shard.dim is None:
+                    tensors[name] = f.get_tensor(name)
+                else:
+                    part = f.get_slice(name)
+                    index = [slice(None)] * len(part.get_shape())
+                    index[shard.dim] = slice(shard.start, shard.stop)
+                    tensors[name] = part[tuple(index)]
     return tensors
 
 
@@ -62,12 +73,16 @@ def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], model_dir: P
     module.load_state_dict(tensors, strict=False)
 
 
-def load_llama(model_dir: Path, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
+def load_llama(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
+               tp: TPGroup = SINGLE) -> LlamaForCausalLM:
+    """The model, or with tp > 1 this rank's shard of it (only the shard is read)."""
     cfg = LlamaConfig.from_hf(read_hf_config(model_dir))
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, tp)
     model = model.to_empty(device="cpu")
-    tensors = read_tensors(model_dir, f"loading {Path(model_dir).name}")
+    where = f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
+    tensors = read_tensors(model_dir, f"loading {Path(model_dir).name}{where}",
+                           shard_plan(cfg, tp))
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     _load_into(model, tensors, model_dir, optional)
     if "lm_head.weight" not in tensors:
