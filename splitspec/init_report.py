@@ -50,11 +50,19 @@ class InitFailed(Exception):
     """A start-up step failed; ``report`` says which, where and why."""
 
     def __init__(self, report: InitReport) -> None:
-        failed = report.failed_step
-        where = f"{report.service} rank {report.rank}"
-        what = f"step {failed.name!r}: {failed.error_type}: {failed.error_message}" if failed else ""
-        super().__init__(f"{where} failed to start at {what}")
+        super().__init__(describe_failure(report))
         self.report = report
+
+
+def describe_failure(report: InitReport) -> str:
+    """'<service> rank <r> failed to start at step <name>: <type>: <message>', for the first
+    failed step of the process, else of the first failed rank it gathered."""
+    for where in (report, *report.ranks):
+        for step in where.steps:
+            if step.state is StepState.FAILED:
+                return (f"{where.service} rank {where.rank} failed to start at step {step.name!r}: "
+                        f"{step.error_type}: {step.error_message}")
+    return f"{report.service} rank {report.rank} failed to start"
 
 
 @dataclass
@@ -166,9 +174,11 @@ class Startup:
     was never reached (PENDING) when an earlier step fails.
     """
 
-    def __init__(self, service: str, step_names: list[str], rank: int = 0) -> None:
+    def __init__(self, service: str, step_names: list[str], rank: int = 0,
+                 on_change: Callable[[InitReport], None] | None = None) -> None:
         self.report = InitReport(service=service, rank=rank)
         self.report.steps = [StepRecord(name) for name in step_names]
+        self.on_change = on_change  # told of every step that starts, ends or is skipped
         self._faults = injected_faults(rank)
         unknown = self._faults - set(step_names)
         if unknown:
@@ -188,6 +198,7 @@ class Startup:
         """
         record = self._record(name)
         record.state = StepState.RUNNING
+        self._changed()
         log.info("%s rank %d: %s ...", self.report.service, self.report.rank, name)
         start = time.perf_counter()
         try:
@@ -204,12 +215,14 @@ class Startup:
                 "%s rank %d: step %s failed: %s: %s",
                 self.report.service, self.report.rank, name, record.error_type, exc,
             )
+            self._changed()
             raise InitFailed(self.report) from exc
         record.duration_s = time.perf_counter() - start
         record.state = StepState.OK
         if isinstance(result, Detailed):
             record.detail = result.detail
             result = result.value
+        self._changed()
         log.info("%s rank %d: %s ok (%.2fs) %s", self.report.service, self.report.rank, name,
                  record.duration_s, record.detail)
         return result
@@ -219,9 +232,15 @@ class Startup:
         record = self._record(name)
         record.state = StepState.SKIPPED
         record.detail = why
+        self._changed()
         if name in self._faults:
             # An injected fault must fail even a skipped step: tests rely on every step failing.
             self.step(name, lambda: None)
+
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self.report)
 
 
 @dataclass

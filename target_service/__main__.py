@@ -1,9 +1,14 @@
-"""python -m target_service: start the target service (see --help)."""
+"""python -m target_service: start the target service (see --help).
+
+With --tp N this process is rank 0: it starts ranks 1..N-1 itself
+(target_service.ranks), or under torchrun finds its rank in RANK/WORLD_SIZE.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -12,7 +17,8 @@ from splitspec.config_args import add_arguments, from_args
 from splitspec.init_report import InitFailed, Startup, fail_startup, write_report
 from target_service.config import TargetConfig
 from target_service.engine import Engine
-from target_service.startup import STEPS, build
+from target_service.ranks import RankSet, free_address
+from target_service.startup import STEPS, Placement, build, run_rank
 
 log = logging.getLogger("target_service")
 
@@ -25,8 +31,25 @@ def parse_args(argv: list[str] | None) -> TargetConfig:
     return from_args(TargetConfig, parser.parse_args(argv))
 
 
+def placement(cfg: TargetConfig) -> Placement:
+    """Rank, group size and rendezvous: from torchrun's variables, else --tp (this is rank 0)."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        size = int(os.environ["WORLD_SIZE"])
+        if cfg.tp not in (1, size):
+            raise SystemExit(f"--tp {cfg.tp} differs from torchrun's WORLD_SIZE {size}")
+        address = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        return Placement(int(os.environ["RANK"]), size, address, torchrun=True)
+    if cfg.tp < 1:
+        raise SystemExit(f"--tp must be at least 1, got {cfg.tp}")
+    return Placement(0, cfg.tp, free_address() if cfg.tp > 1 else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    where = placement(cfg)
+    if where.rank != 0:  # a torchrun rank other than 0
+        run_rank(where.rank, None, cfg, where)
+        return 0
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s target %(levelname)s %(message)s")
     stop = threading.Event()
     crashed: list[BaseException] = []
@@ -39,23 +62,48 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=engine.run, args=(stop, on_crash), name="engine", daemon=True).start()
 
     startup = Startup("target", STEPS)
+    ranks = None
+    if where.size > 1 and not where.torchrun:
+        ranks = RankSet(startup.report, where.size, run_rank, (cfg, where), cfg.init_report)
     try:
-        built = build(cfg, startup, start_engine)
+        built = build(cfg, startup, start_engine, where,
+                      ranks.wait_ready if ranks is not None else lambda: None)
     except InitFailed as failed:
         stop.set()
+        if ranks is not None:
+            ranks.fail_startup()  # names the rank that failed first; does not return
         return fail_startup(failed, cfg.init_report)
+    if ranks is not None:
+        startup.report.ranks = [ranks.reports[r] for r in sorted(ranks.reports)]
+
+        def rank_lost(message: str) -> None:
+            built.server.set_not_serving()
+            built.engine.abort(message)
+            crashed.append(RuntimeError(message))
+            stop.set()
+
+        ranks.on_lost = rank_lost
+        ranks.serving = True
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     write_report(startup.report, cfg.init_report)
     built.server.set_serving()
-    log.info("target SERVING on %s", cfg.address)
+    log.info("target SERVING on %s (%d rank%s)", cfg.address, where.size,
+             "s" if where.size > 1 else "")
     stop.wait()
     built.server.stop()
     if built.draft is not None:
         built.draft.link.close()
     if crashed:
-        log.error("target stopped: the engine failed (%s)", crashed[0])
+        log.error("target stopped: %s", crashed[0])
+        if ranks is not None:  # the engine thread may be stuck in a collective: leave now
+            ranks.kill()
+            logging.shutdown()
+            os._exit(1)
         return 1
+    if ranks is not None:
+        built.engine.stop_ranks()
+        ranks.join(10.0)
     return 0
 
 

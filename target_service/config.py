@@ -17,6 +17,10 @@ class TargetConfig:
     draft: str = option("", "draft service address host:port; empty = no speculation")
     dtype: str = option("float32", "weights and activations dtype", ("float32", "bfloat16", "float16"))
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    tp: int = option(1, "tensor-parallel ranks (processes; one GPU each with --device cuda); "
+                     "under torchrun the world size")
+    dist_timeout_s: float = option(600.0, "timeout of the ranks' collectives (a dead rank is "
+                                   "noticed by rank 0's watcher long before)")
     attention_backend: str = option("torch", "attention backend", ("torch",))
     max_running: int = option(32, "sequences decoded at once")
     max_context: int = option(1024, "prompt + generated tokens per sequence")

@@ -22,10 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from splitspec.attention.base import AttentionBackend, SeqAttention
-from splitspec.kv_cache import KVCache, PageTable
-from splitspec.model.layers import AttentionContext
-from splitspec.model.llama import LlamaForCausalLM
+from splitspec.attention.base import SeqAttention
+from splitspec.kv_cache import PageTable
 from splitspec.sampling import SamplingParams, accept_sampled_tree, choose, probabilities
 from splitspec.tree import (
     EMPTY_TREE,
@@ -40,6 +38,7 @@ from splitspec.tree import (
 )
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
 from target_service.draft_client import DraftLink
+from target_service.runner import ForwardBatch, ModelRunner
 from target_service.scheduler import Scheduler
 from target_service.sequence import FeatureHistory, Sequence, SpecCounters
 
@@ -95,17 +94,15 @@ class Engine:
     """Owns the model, the KV cache and every sequence. Thread-safe entry points:
     :meth:`open_stream`, :meth:`submit`, :meth:`close_stream`, :meth:`generate`."""
 
-    def __init__(self, model: LlamaForCausalLM, cache: KVCache, backend: AttentionBackend,
-                 scheduler: Scheduler, limits: EngineLimits, draft: DraftLink | None,
-                 capture: tuple[int, ...], device: torch.device | str) -> None:
-        self.model = model
-        self.cache = cache
-        self.backend = backend
+    def __init__(self, runner: ModelRunner, scheduler: Scheduler, limits: EngineLimits,
+                 draft: DraftLink | None, capture: tuple[int, ...]) -> None:
+        self.runner = runner
+        self.page_size = runner.cache.page_size
+        self.device = runner.device
         self.scheduler = scheduler
         self.limits = limits
         self.draft = draft
         self.capture = capture
-        self.device = device
         self._policies: dict[int, target_pb2.SpecPolicy] = {}  # per stream; default: always_speculate
         self.totals = SpecCounters()
         self.last_stats = target_pb2.StepStats()
@@ -119,6 +116,7 @@ class Engine:
         self._pending_releases: list[int] = []
         self._pending: dict[int, list[target_pb2.TokenDelta]] = {}  # stream id -> deltas to send
         self._lock = threading.Lock()
+        self.failure = ""  # why the engine cannot serve any more (see abort)
 
     # ---- thread-safe entry points -------------------------------------------------------
 
@@ -127,6 +125,19 @@ class Engine:
             stream_id = next(self._stream_ids)
             self._streams[stream_id] = _Stream(queue.Queue())
             return stream_id, self._streams[stream_id].outbox
+
+    def abort(self, message: str) -> None:
+        """Thread-safe: the engine cannot go on (a rank died). Every stream ends now and its
+        gRPC call fails with UNAVAILABLE and ``message``; the step loop is left alone (it
+        may be blocked in a collective with the dead rank)."""
+        with self._lock:
+            self.failure = message
+            for stream in self._streams.values():
+                stream.outbox.put(None)
+
+    def stop_ranks(self) -> None:
+        """Release ranks 1..N-1 from their call loop (call once the loop has stopped)."""
+        self.runner.stop()
 
     def submit(self, stream_id: int, request: target_pb2.ServeRequest) -> None:
         self._inbox.put((stream_id, request))
@@ -170,7 +181,8 @@ class Engine:
                     self.step()
         except Exception as exc:  # the engine is broken: fail requests, report, let main exit
             log.exception("engine step failed; failing all requests")
-            self._fail_all(f"target engine failed: {type(exc).__name__}: {exc}")
+            self.failure = f"target engine failed: {type(exc).__name__}: {exc}"
+            self._fail_all(self.failure)
             on_crash(exc)
 
     def _drain_inbox(self, block: bool) -> None:
@@ -205,7 +217,7 @@ class Engine:
         seq = Sequence(
             request_id=admit.request_id, stream_id=stream_id, prompt_ids=list(admit.prompt_ids),
             max_new_tokens=admit.max_new_tokens, stop_ids=frozenset(stop_ids),
-            speculation=admit.speculation, table=PageTable(self.cache.page_size),
+            speculation=admit.speculation, table=PageTable(self.page_size),
             seq_id=next(self._seq_ids), sampling=SamplingParams.from_pb(admit.sampling).with_seed())
         problem = self._admission_error(seq)
         if problem:
@@ -368,15 +380,11 @@ class Engine:
         logit_rows = [starts[i + 1] - 1 for i in range(len(prefill))]
         for i in range(len(prefill), len(attn)):
             logit_rows.extend(range(starts[i], starts[i + 1]))
-        meta = self.backend.plan(attn, self.device)
-        ctx = AttentionContext(self.backend, meta, self.cache)
+        logits, aux = self.runner.forward(ForwardBatch(torch.cat(ids), torch.cat(pos), attn,
+                                                       logit_rows, self.capture))
         with torch.inference_mode():
-            out = self.model(torch.cat(ids).to(self.device), torch.cat(pos).to(self.device), ctx,
-                             self.capture)
-            rows = torch.tensor(logit_rows, device=self.device)
-            logits = self.model.compute_logits(out.hidden[rows])
             prefill_tokens, accepted = self._choose(logits, prefill, decode, trees)
-        return _ForwardResult(prefill_tokens, accepted, out.aux, starts)
+        return _ForwardResult(prefill_tokens, accepted, aux, starts)
 
     def _choose(self, logits: torch.Tensor, prefill: list[Sequence], decode: list[Sequence],
                 trees: dict[int, Tree]) -> tuple[list[int], list[Acceptance]]:
@@ -441,7 +449,7 @@ class Engine:
             slots = seq.table.global_slots(0, length + 1 + tree.num_nodes, self.device)
             src = slots[torch.tensor([m[0] for m in moved], device=self.device)]
             dst = slots[torch.tensor([m[1] for m in moved], device=self.device)]
-            self.cache.copy_slots(src, dst)
+            self.runner.copy_slots(src, dst)
         seq.num_cached = length + len(kept)
         seq.table.num_slots = seq.num_cached
         if aux is not None and seq.features is not None:

@@ -23,6 +23,8 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     def Serve(self, request_iterator: Iterator[target_pb2.ServeRequest],
               context: grpc.ServicerContext) -> Iterator[target_pb2.ServeEvent]:
+        if self.engine.failure:
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.failure)
         stream_id, outbox = self.engine.open_stream()
         log.info("gateway stream %d opened by %s", stream_id, context.peer())
         threading.Thread(target=self._pump, args=(stream_id, request_iterator), daemon=True,
@@ -30,6 +32,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         context.add_callback(lambda: self.engine.close_stream(stream_id))
         while (event := outbox.get()) is not None:
             yield event
+        if self.engine.failure:
+            log.error("gateway stream %d ends: %s", stream_id, self.engine.failure)
+            context.abort(grpc.StatusCode.UNAVAILABLE, self.engine.failure)
         log.info("gateway stream %d closed", stream_id)
 
     def _pump(self, stream_id: int, requests: Iterator[target_pb2.ServeRequest]) -> None:

@@ -3,28 +3,41 @@
 Steps, in order: load_config, init_distributed, load_model, allocate_kv_cache,
 init_attention_backend, capture_cuda_graphs, connect_draft, warmup,
 start_server. Health turns SERVING in __main__ only after all of them.
+
+With tensor parallelism every rank runs the first six (:func:`build_rank`)
+on its shard; ranks 1..N-1 then skip the last three (only rank 0 talks to the
+draft and the gateway) and serve rank 0's calls (:func:`run_rank`), while
+rank 0 waits for all of them in its warmup step before driving any call.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from splitspec.attention import AttentionBackend, make_backend
 from splitspec.grpc_server import ServiceServer
-from splitspec.init_report import Detailed, Startup
+from splitspec.init_report import Detailed, InitFailed, InitReport, Startup, fail_startup
 from splitspec.kv_cache import KVCache, PagePool
 from splitspec.model.config import LlamaConfig, read_hf_config
 from splitspec.model.llama import LlamaForCausalLM
 from splitspec.model.loader import load_llama, parse_dtype
+from splitspec.model.parallel import SINGLE, TPGroup, layout, tp_error
 from splitspec.tokenizer import tokenizer_sha256
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from target_service.config import TargetConfig
 from target_service.draft_client import DraftLink
 from target_service.engine import Engine, EngineLimits, always_speculate
+from target_service.ranks import die_with_parent, send
+from target_service.runner import ModelRunner, TPRunner, serve_calls
 from target_service.scheduler import Scheduler
 from target_service.servicer import TargetServicer
 
@@ -32,6 +45,10 @@ log = logging.getLogger(__name__)
 
 STEPS = ["load_config", "init_distributed", "load_model", "allocate_kv_cache",
          "init_attention_backend", "capture_cuda_graphs", "connect_draft", "warmup", "start_server"]
+# What ranks 1..N-1 do not run, and why.
+RANK_SKIPS = {"connect_draft": "rank 0 talks to the draft",
+              "warmup": "rank 0 drives warmup; this rank runs its calls",
+              "start_server": "only rank 0 serves gRPC"}
 WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 WARMUP_NEW_TOKENS = 8
 
@@ -47,9 +64,38 @@ class Draft(NamedTuple):
     report: common_pb2.InitReport
 
 
-def load_config(cfg: TargetConfig) -> Detailed:
+class Placement(NamedTuple):
+    """Where this process sits: its rank, the group size and the rendezvous address."""
+
+    rank: int = 0
+    size: int = 1
+    address: str = ""        # host:port of rank 0's rendezvous ("" for one rank)
+    torchrun: bool = False   # the ranks were started by torchrun, not by rank 0
+
+    def device(self, device: str) -> str:
+        """This rank's torch device: "cuda" means cuda:<local rank> with several ranks."""
+        if self.size > 1 and device == "cuda":
+            return f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank))}"
+        return device
+
+
+ONE_RANK = Placement()
+
+
+class TP(NamedTuple):
+    group: TPGroup   # the model's collectives
+    control: object  # a gloo group for rank 0's calls (None for one rank)
+
+
+def load_config(cfg: TargetConfig, where: Placement = ONE_RANK) -> Detailed:
     model_cfg = LlamaConfig.from_hf(read_hf_config(cfg.model))
     parse_dtype(cfg.dtype)
+    problem = tp_error(model_cfg, where.size)
+    if problem:
+        raise ValueError(problem)
+    if where.size > 1 and cfg.device.startswith("cuda:"):
+        raise ValueError(f"--device {cfg.device} names one GPU: with --tp {where.size} use "
+                         "--device cuda (rank r takes cuda:r)")
     if cfg.max_context > model_cfg.max_position:
         raise ValueError(f"--max-context {cfg.max_context} exceeds the model's "
                          f"max_position_embeddings {model_cfg.max_position}; lower --max-context")
@@ -59,40 +105,57 @@ def load_config(cfg: TargetConfig) -> Detailed:
     return Detailed(spec, f"{cfg.model.name}: {model_cfg.num_layers} layers, vocab {model_cfg.vocab_size}")
 
 
-def init_distributed(cfg: TargetConfig) -> Detailed:
-    return Detailed(1, "single rank (tensor parallelism: --tp comes with the TP issue)")
+def init_distributed(cfg: TargetConfig, where: Placement) -> Detailed:
+    """Join the ranks' process group (NCCL on GPUs, gloo on CPU) and a gloo control group."""
+    if where.size == 1:
+        return Detailed(TP(SINGLE, None), "single rank")
+    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(torch.device(where.device(cfg.device)))
+    dist.init_process_group(backend, init_method=f"tcp://{where.address}", rank=where.rank,
+                            world_size=where.size, timeout=timedelta(seconds=cfg.dist_timeout_s))
+    control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    return Detailed(TP(TPGroup(where.rank, where.size, dist.group.WORLD), control),
+                    f"rank {where.rank} of {where.size} ({backend}, {where.address})")
 
 
-def load_model(cfg: TargetConfig) -> Detailed:
-    model = load_llama(cfg.model, parse_dtype(cfg.dtype), cfg.device)
+def load_model(cfg: TargetConfig, tp: TPGroup, device: str) -> Detailed:
+    model = load_llama(cfg.model, parse_dtype(cfg.dtype), device, tp)
     params = sum(p.numel() for p in model.parameters())
-    return Detailed(model, f"{params / 1e6:.1f}M parameters, {cfg.dtype} on {cfg.device}")
+    shard = f", shard {tp.rank} of {tp.size}" if tp.size > 1 else ""
+    return Detailed(model, f"{params / 1e6:.1f}M parameters{shard}, {cfg.dtype} on {device}")
 
 
-def allocate_kv_cache(cfg: TargetConfig, model_cfg: LlamaConfig) -> Detailed:
+def allocate_kv_cache(cfg: TargetConfig, model_cfg: LlamaConfig, tp: TP, device: str) -> Detailed:
+    """This rank's KV heads for every page; every rank ends with the same page count."""
     per_seq = cfg.max_context + cfg.max_tree_nodes + 1
     num_pages = cfg.num_pages or cfg.max_running * -(-per_seq // cfg.page_size)
     dtype = parse_dtype(cfg.dtype)
+    kv_heads = layout(model_cfg, tp.group).kv_heads if tp.group.size > 1 else model_cfg.num_kv_heads
     need = KVCache.bytes_needed(model_cfg.num_layers, num_pages, cfg.page_size,
-                                model_cfg.num_kv_heads, model_cfg.head_dim, dtype)
-    if cfg.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(cfg.device))
+                                kv_heads, model_cfg.head_dim, dtype)
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
         if need > free:
             raise MemoryError(f"KV cache needs {need / 2**30:.1f} GiB but {free / 2**30:.1f} GiB is "
                               "free; lower --max-running or --max-context, or set --num-pages")
-    cache = KVCache(model_cfg.num_layers, num_pages, cfg.page_size, model_cfg.num_kv_heads,
-                    model_cfg.head_dim, dtype, cfg.device)
-    return Detailed((cache, PagePool(num_pages)), f"{num_pages} pages of {cfg.page_size} "
-                    f"({need / 2**20:.1f} MiB)")
+    if tp.group.size > 1:  # the ranks must agree (rank 0 allocates pages for all of them)
+        agreed = torch.tensor([num_pages])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=tp.control)
+        num_pages = int(agreed)
+    cache = KVCache(model_cfg.num_layers, num_pages, cfg.page_size, kv_heads,
+                    model_cfg.head_dim, dtype, device)
+    return Detailed((cache, PagePool(num_pages)), f"{num_pages} pages of {cfg.page_size}, "
+                    f"{kv_heads} KV heads ({need / 2**20:.1f} MiB)")
 
 
 def init_attention_backend(cfg: TargetConfig) -> Detailed:
     return Detailed(make_backend(cfg.attention_backend), cfg.attention_backend)
 
 
-def capture_cuda_graphs(cfg: TargetConfig) -> Detailed:
-    if not cfg.device.startswith("cuda"):
-        return Detailed(None, f"no-op on {cfg.device}")
+def capture_cuda_graphs(cfg: TargetConfig, device: str) -> Detailed:
+    if not device.startswith("cuda"):
+        return Detailed(None, f"no-op on {device}")
     return Detailed(None, "no graphs yet: eager decode (CUDA graphs come with the GPU engine)")
 
 
@@ -137,7 +200,7 @@ def draft_mismatches(info: object, spec: ModelSpec) -> list[str]:
 
 
 def warmup(engine: Engine, draft_info: draft_pb2.DraftInfo | None,
-           default_shape: common_pb2.DraftShape) -> Detailed:
+           default_shape: common_pb2.DraftShape, wait_ranks: Callable[[], str]) -> Detailed:
     """Real generations through every path: plain, and with a draft tree and a chain, greedy
     and sampled.
 
@@ -145,13 +208,15 @@ def warmup(engine: Engine, draft_info: draft_pb2.DraftInfo | None,
     seeded request draws the same number for the same position either way); a mismatch
     fails start-up. A draft with sampled trees changes which numbers a seeded request
     uses, so there the check is that the request is reproducible and its trees verified.
+    With several ranks it first waits until every rank serves rank 0's calls.
     """
+    ranks = wait_ranks()
     plain, _ = engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS, common_pb2.SPECULATION_MODE_OFF)
     sampled = common_pb2.SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=1)
     sampled_plain, _ = engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS,
                                        common_pb2.SPECULATION_MODE_OFF, sampling=sampled)
     if draft_info is None:
-        return Detailed(None, "plain decoding ran (no draft)")
+        return Detailed(None, f"{ranks}plain decoding ran (no draft)")
     sampled_spec, stats = engine.generate(WARMUP_PROMPT, WARMUP_NEW_TOKENS,
                                           common_pb2.SPECULATION_MODE_ON, sampling=sampled)
     if draft_info.sampled_trees:
@@ -175,7 +240,7 @@ def warmup(engine: Engine, draft_info: draft_pb2.DraftInfo | None,
         if stats.verify_steps == 0:
             raise RuntimeError(f"warmup with a {name} never verified a draft tree "
                                f"(plain steps {stats.plain_steps}, rejected {stats.rejected_trees})")
-    return Detailed(None, "plain, tree and chain agree, greedy and sampled")
+    return Detailed(None, f"{ranks}plain, tree and chain agree, greedy and sampled")
 
 
 def start_server(cfg: TargetConfig, servicer: TargetServicer) -> Detailed:
@@ -192,14 +257,74 @@ class Built(NamedTuple):
     draft: Draft | None
 
 
-def build(cfg: TargetConfig, startup: Startup, start_engine: Callable[[Engine], None]) -> Built:
-    """Run every step; returns the running parts. Raises InitFailed on the first failure."""
-    spec: ModelSpec = startup.step("load_config", load_config, cfg)
-    startup.step("init_distributed", init_distributed, cfg)
-    model: LlamaForCausalLM = startup.step("load_model", load_model, cfg)
-    cache, pool = startup.step("allocate_kv_cache", allocate_kv_cache, cfg, spec.config)
+class RankParts(NamedTuple):
+    spec: ModelSpec
+    tp: TP
+    runner: ModelRunner
+    pool: PagePool
+
+
+def build_rank(cfg: TargetConfig, startup: Startup, where: Placement) -> RankParts:
+    """The steps every rank runs: config, process group, its shard, its cache, attention."""
+    spec: ModelSpec = startup.step("load_config", load_config, cfg, where)
+    tp: TP = startup.step("init_distributed", init_distributed, cfg, where)
+    device = where.device(cfg.device)
+    model: LlamaForCausalLM = startup.step("load_model", load_model, cfg, tp.group, device)
+    cache, pool = startup.step("allocate_kv_cache", allocate_kv_cache, cfg, spec.config, tp,
+                               device)
     backend: AttentionBackend = startup.step("init_attention_backend", init_attention_backend, cfg)
-    startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg)
+    startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg, device)
+    # Rank 0 of several announces every call; the other ranks run what it announces.
+    runner = (TPRunner(model, cache, backend, device, tp.control)
+              if where.size > 1 and where.rank == 0 else ModelRunner(model, cache, backend, device))
+    return RankParts(spec, tp, runner, pool)
+
+
+def run_rank(rank: int, conn: Connection | None, cfg: TargetConfig, where: Placement) -> None:
+    """Ranks 1..N-1 (a process of their own): init steps, then rank 0's calls until it stops."""
+    die_with_parent()
+    logging.basicConfig(level=cfg.log_level,
+                        format=f"%(asctime)s target[rank {rank}] %(levelname)s %(message)s")
+    where = where._replace(rank=rank)
+    startup = Startup("target", STEPS, rank, on_change=lambda report: send(conn, "report", report))
+    try:
+        parts = build_rank(cfg, startup, where)
+        for name, why in RANK_SKIPS.items():
+            startup.skip(name, why)
+    except InitFailed as failed:
+        send(conn, "failed", failed.report)
+        sys.exit(fail_startup(failed, None))
+    send(conn, "ready", startup.report)
+    if where.torchrun:  # rank 0 gathers the reports in its warmup step
+        dist.gather_object(startup.report.to_pb().SerializeToString(), None, dst=0,
+                           group=parts.tp.control)
+    serve_calls(parts.runner, parts.tp.control)
+
+
+def gather_torchrun_reports(report: InitReport, tp: TP) -> None:
+    """Rank 0 under torchrun: every other rank's report, once all are ready."""
+    gathered: list[bytes | None] = [None] * tp.group.size
+    dist.gather_object(b"", gathered, dst=0, group=tp.control)
+    report.ranks = [InitReport.from_pb(common_pb2.InitReport.FromString(data))
+                    for data in gathered[1:]]
+
+
+def build(cfg: TargetConfig, startup: Startup, start_engine: Callable[[Engine], None],
+          where: Placement = ONE_RANK, wait_ranks: Callable[[], None] = lambda: None) -> Built:
+    """Run every step of rank 0; returns the running parts. Raises InitFailed on the first
+    failure. ``wait_ranks`` returns when ranks 1..N-1 serve calls (their reports in hand)."""
+    parts = build_rank(cfg, startup, where)
+    spec = parts.spec
+
+    def ranks_ready() -> str:
+        if where.size == 1:
+            return ""
+        if where.torchrun:
+            gather_torchrun_reports(startup.report, parts.tp)
+        else:
+            wait_ranks()
+        return f"{where.size} ranks ready; "
+
     draft: Draft | None = None
     if cfg.draft:
         draft = startup.step("connect_draft", connect_draft, cfg, spec)
@@ -211,15 +336,16 @@ def build(cfg: TargetConfig, startup: Startup, start_engine: Callable[[Engine], 
                           max_prefill_tokens=cfg.max_prefill_tokens,
                           max_tree_nodes=cfg.max_tree_nodes, default_shape=default_shape,
                           eos_ids=frozenset(spec.config.eos_token_ids))
-    engine = Engine(model, cache, backend, Scheduler(pool, cfg.max_running, cfg.max_tree_nodes),
-                    limits, draft.link if draft else None, draft.capture if draft else (), cfg.device)
+    engine = Engine(parts.runner, Scheduler(parts.pool, cfg.max_running, cfg.max_tree_nodes),
+                    limits, draft.link if draft else None, draft.capture if draft else ())
     start_engine(engine)
-    startup.step("warmup", warmup, engine, draft.link.info if draft else None, default_shape)
+    startup.step("warmup", warmup, engine, draft.link.info if draft else None, default_shape,
+                 ranks_ready)
     info = target_pb2.TargetInfo(
         model_name=cfg.model.name, vocab_size=spec.config.vocab_size,
         tokenizer_sha256=spec.tokenizer_sha256, eos_token_ids=list(spec.config.eos_token_ids),
         max_context=cfg.max_context, max_running=cfg.max_running, has_draft=draft is not None,
-        default_shape=default_shape, tp_size=1,
+        default_shape=default_shape, tp_size=where.size,
         draft_report=draft.report if draft else None,
         draft_model_name=draft.link.info.model_name if draft else "")
     servicer = TargetServicer(engine, info, startup.report)

@@ -1,0 +1,179 @@
+"""Tensor parallelism: greedy agreement with one rank, and decode step time, per --tp.
+
+Agreement: the built-in pair (target + EAGLE-3 draft), greedy, each TP size
+with speculation OFF and ON; every output is compared token by token with
+TP=1 OFF (bf16 on GPUs reorders sums across ranks, so exact agreement is
+not expected there; float32 on CPU gives identical text).
+
+Step time: a target of the benchmark pair's shape (bench/results/
+bench_pair_manifest.json: 169M parameters, 16 heads, 4 KV heads) with RANDOM
+weights (the trained weights are not in the repository; speed does not depend
+on them), plain decoding at batch 1: the median forward and step time per
+decode step.
+
+    python bench/bench_tp.py --tp 1,2 --device cuda --dtype bfloat16 --out-json /tmp/tp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+from bench_speculation import free_port
+
+from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
+from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
+from splitspec.tokenizer import TOKENIZER_FILE, load_tokenizer
+from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+MANIFEST = REPO / "bench" / "results" / "bench_pair_manifest.json"
+TEXTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n",
+         "for i in range(10):\n    print(", "with open(path) as f:\n", "raise ValueError(\"",
+         "from collections import ", "while True:\n    line = ", "def parse_args(argv=None):\n",
+         "try:\n    import json\nexcept ImportError:\n", "x = [i * i for i in range(",
+         "async def fetch(url):\n", "self.assertEqual(", "if __name__ == \"__main__\":\n",
+         "return {k: v for k, v in ", "# Copyright (c) 2024\n\"\"\"Utilities for"]
+
+
+class Process:
+    """A service process on a free port; stopped on exit."""
+
+    def __init__(self, module: str, args: list[str], log: Path) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._log = log.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", module, "--port", str(self.port), *args],
+                                     cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
+
+    def __enter__(self) -> Process:
+        wait_for_serving(self.address, 900, "service").close()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def serve(address: str, prompts: list[list[int]], max_new: int, mode: int
+          ) -> tuple[list[list[int]], list[target_pb2.StepStats]]:
+    """Greedy continuations of all prompts on one Serve stream, and every step's statistics."""
+    requests: queue.Queue = queue.Queue()
+    for i, ids in enumerate(prompts):
+        requests.put(target_pb2.ServeRequest(admit=target_pb2.Admit(
+            request_id=i, prompt_ids=ids, max_new_tokens=max_new, ignore_eos=True,
+            speculation=mode)))
+    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+    steps: dict[int, target_pb2.StepStats] = {}
+    done = 0
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        call = target_pb2_grpc.TargetStub(channel).Serve(iter(requests.get, None), timeout=900)
+        for event in call:
+            steps.setdefault(event.stats.step, event.stats)
+            for delta in event.deltas:
+                if delta.finish_reason == common_pb2.FINISH_REASON_ERROR:
+                    raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
+                out[delta.request_id].extend(delta.token_ids)
+                done += bool(delta.finish_reason)
+            if done == len(prompts):
+                break
+        call.cancel()
+    requests.put(None)
+    return [out[i] for i in range(len(prompts))], list(steps.values())
+
+
+def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
+    """Share of tokens equal to the reference at the same position, and share of tokens
+    before each output's first difference (greedy text diverges after one)."""
+    same = prefix = total = 0
+    for out, ref in zip(outputs, reference, strict=True):
+        total += len(ref)
+        same += sum(a == b for a, b in zip(out, ref, strict=False))
+        first = next((i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b),
+                     min(len(out), len(ref)))
+        prefix += first
+    return {"identical_tokens": same / total, "identical_prefix": prefix / total}
+
+
+def random_bench_target(folder: Path) -> Path:
+    """A checkpoint of the benchmark target's shape with random weights."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = json.loads(MANIFEST.read_text())["models"]["target"]["config"]
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.bfloat16)
+    model.save_pretrained(folder)
+    shutil.copy(BUILTIN_TARGET / TOKENIZER_FILE, folder / TOKENIZER_FILE)
+    return folder
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", default="1,2", help="comma-separated TP sizes (1 first)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--new-tokens", type=int, default=32, help="per prompt, agreement runs")
+    parser.add_argument("--step-tokens", type=int, default=128, help="batch-1 timing run")
+    parser.add_argument("--repeats", type=int, default=3, help="timing runs per TP size")
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--out-json", type=Path)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.tp.split(",")]
+    if sizes[0] != 1:
+        raise SystemExit("--tp must start with 1: the others are compared with it")
+    common = ["--device", args.device, "--dtype", args.dtype]
+    logs = Path(tempfile.mkdtemp(prefix="bench_tp_"))
+    prompts = [load_tokenizer(BUILTIN_TARGET).encode(t) for t in TEXTS]
+    result: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+                    "agreement": {}, "step_ms": {}}
+    with Process("draft_service", ["--model", str(BUILTIN_EAGLE3), *common], logs / "draft.log") as draft:
+        outputs = {}
+        for tp in sizes:
+            with Process("target_service", ["--draft", draft.address, "--tp", str(tp), *common],
+                         logs / f"target-tp{tp}.log") as target:
+                for name, mode in (("OFF", common_pb2.SPECULATION_MODE_OFF),
+                                   ("ON", common_pb2.SPECULATION_MODE_ON)):
+                    outputs[tp, name], _ = serve(target.address, prompts, args.new_tokens, mode)
+                    result["agreement"][f"tp{tp} {name}"] = agreement(outputs[tp, name],
+                                                                      outputs[1, "OFF"])
+                    print(f"TP={tp} {name}: {result['agreement'][f'tp{tp} {name}']}", flush=True)
+    if not args.skip_timing:
+        model = random_bench_target(logs / "bench-target")
+        for tp in sizes:
+            with Process("target_service", ["--model", str(model), "--tp", str(tp), *common],
+                         logs / f"timing-tp{tp}.log") as target:
+                runs = []
+                for _ in range(args.repeats + 1):  # the first run warms up
+                    _, steps = serve(target.address, [prompts[0]], args.step_tokens,
+                                     common_pb2.SPECULATION_MODE_OFF)
+                    decode = [s for s in steps if s.prefill_tokens == 0 and s.batch_size == 1]
+                    runs.append((1000 * statistics.median(s.forward_s for s in decode),
+                                 1000 * statistics.median(s.total_s for s in decode)))
+                forward, total = (statistics.median(r[i] for r in runs[1:]) for i in (0, 1))
+                result["step_ms"][f"tp{tp}"] = {"forward": forward, "step": total,
+                                                "runs": runs[1:]}
+                print(f"TP={tp}: decode step {total:.2f} ms (forward {forward:.2f} ms), median of "
+                      f"{args.repeats} runs x {args.step_tokens} tokens", flush=True)
+    if args.out_json:
+        args.out_json.parent.mkdir(parents=True, exist_ok=True)
+        args.out_json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""The target's model calls, on one rank or on every rank of a tensor-parallel group.
+
+The engine (rank 0) does all scheduling and acceptance and calls only
+:meth:`ModelRunner.forward` and :meth:`ModelRunner.copy_slots`. With tensor
+parallelism :class:`TPRunner` first broadcasts each call (its CPU inputs, over
+a gloo control group) to the other ranks, which run :func:`serve_calls`: the
+same call on their shard. The collectives inside the model then keep the
+ranks in step, and every rank ends with the full logits.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from splitspec.attention.base import AttentionBackend, SeqAttention
+from splitspec.kv_cache import KVCache
+from splitspec.model.layers import AttentionContext
+from splitspec.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+class ForwardBatch(NamedTuple):
+    """One forward pass, all on the host: every rank can rebuild it from these."""
+
+    ids: torch.Tensor              # [T] token ids
+    positions: torch.Tensor        # [T]
+    attn: list[SeqAttention]       # per sequence: page table, lengths, optional tree mask
+    logit_rows: list[int]          # rows of the T tokens whose logits are wanted
+    capture: tuple[int, ...] = ()  # layer inputs to capture for the draft
+
+
+class ModelRunner:
+    """One rank's model, KV cache and attention backend."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, backend: AttentionBackend,
+                 device: torch.device | str) -> None:
+        self.model = model
+        self.cache = cache
+        self.backend = backend
+        self.device = device
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits [len(logit_rows), V] float32, captured features [T, k * H] or None)."""
+        meta = self.backend.plan(batch.attn, self.device)
+        ctx = AttentionContext(self.backend, meta, self.cache)
+        with torch.inference_mode():
+            out = self.model(batch.ids.to(self.device), batch.positions.to(self.device), ctx,
+                             batch.capture)
+            rows = torch.tensor(batch.logit_rows, device=self.device)
+            return self.model.compute_logits(out.hidden[rows]), out.aux
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy K/V of global cache slots src to dst (KV compaction after acceptance)."""
+        self.cache.copy_slots(src.to(self.device), dst.to(self.device))
+
+    def stop(self) -> None:
+        """Release the other ranks (nothing to do on one rank)."""
+
+
+class TPRunner(ModelRunner):
+    """Rank 0 of a tensor-parallel group: every call is broadcast before it runs here."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, backend: AttentionBackend,
+                 device: torch.device | str, control: object) -> None:
+        super().__init__(model, cache, backend, device)
+        self.control = control
+
+    def _announce(self, call: str, payload: object) -> None:
+        dist.broadcast_object_list([(call, payload)], src=0, group=self.control)
+
+    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._announce("forward", batch)
+        return super().forward(batch)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self._announce("copy_slots", (src.cpu(), dst.cpu()))
+        super().copy_slots(src, dst)
+
+    def stop(self) -> None:
+        self._announce("stop", None)
+
+
+def serve_calls(runner: ModelRunner, control: object) -> None:
+    """Ranks 1..N-1: run every call rank 0 broadcasts, until it says stop."""
+    while True:
+        box: list[object] = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        call, payload = box[0]
+        if call == "stop":
+            log.info("rank 0 said stop")
+            return
+        if call == "forward":
+            runner.forward(payload)
+        elif call == "copy_slots":
+            runner.copy_slots(*payload)
+        else:
+            raise ValueError(f"unknown call {call!r} from rank 0")
