@@ -1,7 +1,9 @@
-# One image for all three SplitSpec services (CPU build of torch; the GPU image comes with the GPU issue).
+# One image for all three SplitSpec services. TORCH_INDEX_URL picks the torch build:
+# CUDA by default (docker-compose.yml), the CPU build for docker-compose.cpu.yml.
 FROM python:3.11-slim
 WORKDIR /app
-RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install --no-cache-dir torch==2.13.0 --index-url ${TORCH_INDEX_URL}
 COPY pyproject.toml README.md ./
 COPY protos protos
 COPY splitspec splitspec
