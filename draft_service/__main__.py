@@ -10,6 +10,7 @@ import threading
 
 from draft_service.config import DraftConfig
 from draft_service.startup import STEPS, build
+from splitspec import telemetry
 from splitspec.config_args import add_arguments, from_args
 from splitspec.init_report import InitFailed, Startup, fail_startup, write_report
 
@@ -31,6 +32,7 @@ def parse_args(argv: list[str] | None) -> DraftConfig:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s draft %(levelname)s %(message)s")
+    telemetry.setup("draft")
     startup = Startup("draft", STEPS)
     try:
         built = build(cfg, startup)
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     stop.wait()
     log.info("draft stopping")
     built.server.stop()
+    telemetry.shutdown()
     return 0
 
 

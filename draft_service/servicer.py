@@ -21,12 +21,14 @@ import grpc
 
 from draft_service.drafter import Drafter, SeqInput, SeqResult, TreeShape
 from draft_service.models import DraftSpec
+from splitspec import telemetry
 from splitspec.init_report import InitReport
 from splitspec.sampling import SamplingParams
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
 
+_TRACER = telemetry.tracer("splitspec.draft")
 DRAFT_FAULT_ENV = "SPLITSPEC_INJECT_DRAFT_FAULT"
 DRAFT_FAULTS = ("malformed_tree", "slow")
 SLOW_REPLY_S = 0.5  # the "slow" fault holds the reply to every 8th step this long
@@ -114,11 +116,19 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     def _reply(self, session: object, request: draft_pb2.DraftRequest) -> draft_pb2.DraftReply:
         start = time.perf_counter()
-        results = self.drafter.draft(session, [seq_input_from_pb(s) for s in request.seqs],
-                                     request.release_ids)
-        trees = [tree_to_pb(r) for r in results]
-        return draft_pb2.DraftReply(step=request.step, trees=trees,
-                                    draft_s=time.perf_counter() - start)
+        with _TRACER.start_as_current_span(
+                "draft.exchange", context=telemetry.context_from(request.traceparent)) as span:
+            results = self.drafter.draft(session, [seq_input_from_pb(s) for s in request.seqs],
+                                         request.release_ids)
+            trees = [tree_to_pb(r) for r in results]
+            draft_s = time.perf_counter() - start
+            if telemetry.enabled():
+                span.set_attributes({
+                    "splitspec.step": request.step, "splitspec.sequences": len(request.seqs),
+                    "splitspec.tree_nodes": sum(len(t.tokens) for t in trees),
+                    "splitspec.errors": sum(bool(t.error) for t in trees),
+                    "splitspec.draft_s": draft_s})
+        return draft_pb2.DraftReply(step=request.step, trees=trees, draft_s=draft_s)
 
     def GetInfo(self, request: draft_pb2.GetDraftInfoRequest,
                 context: grpc.ServicerContext) -> draft_pb2.DraftInfo:

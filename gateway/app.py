@@ -30,6 +30,7 @@ from gateway.policy import (
 )
 from gateway.servicer import GatewayServicer
 from gateway.target_client import TargetClient, TargetPeer, connect_target
+from splitspec import telemetry
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import (
     Detailed,
@@ -217,6 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.getLevelName(str(args.log_level).upper())
     logging.basicConfig(level=level if isinstance(level, int) else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    telemetry.setup("gateway")
     startup = Startup("gateway", STEPS)
     try:
         gateway = start(startup, args)
@@ -227,4 +229,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     _wait_for_stop_signal()
     log.info("gateway stopping")
     gateway.stop()
+    telemetry.shutdown()
     return 0

@@ -54,8 +54,9 @@ class GatewayCore:
         self._report = report
         self._request_ids = itertools.count(1)  # next() is atomic under the GIL
 
-    def start(self, request: gateway_pb2.GenerateRequest) -> RequestRun:
-        """Validate and enqueue; the returned run is iterated for the chunks.
+    def start(self, request: gateway_pb2.GenerateRequest, parent: bytes = b"") -> RequestRun:
+        """Validate and enqueue; the returned run is iterated for the chunks (``parent``: the
+        client's W3C traceparent, if any).
 
         Raises ServiceError INVALID_ARGUMENT (bad request) or RESOURCE_EXHAUSTED (full).
         """
@@ -63,7 +64,8 @@ class GatewayCore:
         generation = validate(request, self.limits, self._tokenizer)
         ticket = self.admission.enqueue()
         return RequestRun(next(self._request_ids), generation, arrival_s, ticket,
-                          self.admission, self._target, self._tokenizer)
+                          self.admission, self._target, self._tokenizer, parent,
+                          self._target.peer.info.model_name)
 
     def status(self) -> gateway_pb2.StatusResponse:
         peer = self._target.peer

@@ -28,6 +28,7 @@ from gateway.admission import Admission, Ticket
 from gateway.target_client import StreamLost, TargetClient, TargetItem
 from gateway.text_stream import TextStream
 from gateway.validation import GenerationRequest
+from splitspec import telemetry
 from splitspec.grpc_server import ServiceError
 from splitspec.tokenizer import ModelTokenizer
 from splitspec.v1 import common_pb2, target_pb2
@@ -72,17 +73,39 @@ def is_final(item: TargetItem) -> bool:
     return isinstance(item, StreamLost) or item.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
 
 
+_TRACER = telemetry.tracer("splitspec.gateway")
+_METER = telemetry.meter("splitspec.gateway")
+TTFT = _METER.create_histogram(
+    "gen_ai.server.time_to_first_token", "s", "Time to generate the first token",
+    explicit_bucket_boundaries_advisory=telemetry.TTFT_BUCKETS)
+TPOT = _METER.create_histogram(
+    "gen_ai.server.time_per_output_token", "s", "Time per output token after the first",
+    explicit_bucket_boundaries_advisory=telemetry.TPOT_BUCKETS)
+DURATION = _METER.create_histogram(
+    "gen_ai.server.request.duration", "s", "Generative AI server request duration",
+    explicit_bucket_boundaries_advisory=telemetry.DURATION_BUCKETS)
+FINISH_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_EOS: "stop",
+                common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_CANCELLED: "cancelled",
+                common_pb2.FINISH_REASON_ERROR: "error"}
+MODE_NAMES = {common_pb2.SPECULATION_MODE_AUTO: "auto", common_pb2.SPECULATION_MODE_ON: "on",
+              common_pb2.SPECULATION_MODE_OFF: "off"}
+OPERATION = "text_completion"
+
+
 class RequestRun:
     """Iterate once (on the handler thread) for the request's chunks; the last has ``final``.
 
     The iteration ends without a final chunk only when the request was
     cancelled. Raises ServiceError(UNAVAILABLE) when the target stream is lost
     and ServiceError(INTERNAL) when the target fails the request.
+
+    The request's span (GenAI conventions) lives from the first iteration to the
+    last; its traceparent travels to the target in the Admit.
     """
 
     def __init__(self, request_id: int, request: GenerationRequest, arrival_s: float,
                  ticket: Ticket, admission: Admission, target: TargetClient,
-                 tokenizer: ModelTokenizer) -> None:
+                 tokenizer: ModelTokenizer, parent: bytes = b"", model: str = "") -> None:
         self.request_id = request_id
         self.request = request
         self._arrival_s = arrival_s
@@ -93,6 +116,9 @@ class RequestRun:
         self._inbox: queue.Queue[TargetItem | _Signal] = queue.Queue()
         self._is_cancelled = threading.Event()
         self._is_done_at_target = False
+        self._parent = parent  # the client's traceparent, if it sent one
+        self._model = model
+        self._span = None
 
     def cancel(self) -> None:
         """The client went away: stop waiting, and stop the request at the target. Idempotent."""
@@ -102,18 +128,53 @@ class RequestRun:
 
     def __iter__(self) -> Iterator[Chunk]:
         is_submitted = False
+        request = self.request
+        # Not made current: the generator may be closed from another thread.
+        self._span = _TRACER.start_span(
+            f"{OPERATION} {self._model}", context=telemetry.context_from(self._parent),
+            kind=telemetry.trace.SpanKind.SERVER, attributes={
+                "gen_ai.operation.name": OPERATION, "gen_ai.request.model": self._model,
+                "gen_ai.request.max_tokens": request.max_new_tokens,
+                "gen_ai.request.temperature": request.sampling.temperature,
+                "gen_ai.usage.input_tokens": len(request.prompt_ids),
+                "splitspec.request_id": self.request_id,
+                "splitspec.speculation_mode": MODE_NAMES.get(request.speculation, "auto")})
         try:
             if not self._admission.wait(self._ticket) or self._is_cancelled.is_set():
                 return
             admitted_s = time.monotonic()
             self._target.submit(self._admit(), self._on_target_item)
             is_submitted = True
-            yield from self._relay(admitted_s)
+            for chunk in self._relay(admitted_s):
+                if chunk.final is not None:
+                    self._record(chunk.final)
+                yield chunk
+        except ServiceError as exc:
+            self._span.set_status(telemetry.trace.StatusCode.ERROR, exc.message)
+            raise
         finally:
+            self._span.end()
             if not is_submitted:
                 self._admission.release(self._ticket)
             elif not self._is_done_at_target:
                 self._target.cancel(self.request_id)
+
+    def _record(self, final: Final) -> None:
+        """The final figures on the span and in the GenAI metrics."""
+        spec = final.spec
+        self._span.set_attributes({
+            "gen_ai.usage.output_tokens": final.completion_tokens,
+            "gen_ai.response.finish_reasons": [FINISH_NAMES.get(final.finish_reason, "unknown")],
+            "splitspec.queue_s": final.queue_s,
+            "splitspec.time_to_first_token_s": final.time_to_first_token_s,
+            "splitspec.spec.verify_steps": spec.verify_steps,
+            "splitspec.spec.accepted_length": spec.mean_accepted_length})
+        attributes = {"gen_ai.operation.name": OPERATION, "gen_ai.request.model": self._model}
+        TTFT.record(final.time_to_first_token_s, attributes)
+        DURATION.record(final.total_s, attributes)
+        if final.completion_tokens > 1:
+            TPOT.record((final.total_s - final.time_to_first_token_s)
+                        / (final.completion_tokens - 1), attributes)
 
     def _admit(self) -> target_pb2.Admit:
         request = self.request
@@ -125,6 +186,7 @@ class RequestRun:
             ignore_eos=request.ignore_eos,
             sampling=request.sampling,
             speculation=request.speculation,
+            traceparent=telemetry.traceparent(self._span),
         )
 
     def _on_target_item(self, item: TargetItem) -> None:

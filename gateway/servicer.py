@@ -47,7 +47,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if self._core is None:
             raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                "the gateway is starting up; GetStatus shows its init report")
-        run = self._core.start(request)
+        parent = dict(context.invocation_metadata()).get("traceparent", "")
+        run = self._core.start(request, parent.encode())
         if not context.add_callback(run.cancel):
             run.cancel()  # the RPC already ended
         return run

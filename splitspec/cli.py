@@ -397,6 +397,20 @@ def cmd_train_draft(args: argparse.Namespace) -> int:
         return 2
 
 
+def cmd_trace_summary(args: argparse.Namespace) -> int:
+    from splitspec.trace_summary import main_summary
+
+    if not args.spans.is_file():
+        print(f"splitspec trace-summary: {args.spans} is not a file", file=sys.stderr)
+        return 2
+    try:
+        print(main_summary(args.spans, args.json))
+    except ValueError as exc:  # the command's failure: printed, exit code 2
+        print(f"splitspec trace-summary: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 # --- parser --------------------------------------------------------------------------------
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -491,6 +505,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="torch device (default: cuda when available, else cpu)")
     train.add_argument("--seed", type=int, default=0, help="random seed")
     train.set_defaults(func=cmd_train_draft)
+
+    summary = commands.add_parser(
+        "trace-summary", formatter_class=formatter,
+        help="decode-latency breakdown from exported spans",
+        description="Read spans exported as OTLP/JSON lines (the collector's file exporter, "
+                    "e.g. the compose stack's spans.jsonl) and print, per speculation on/off and "
+                    "batch size, percentiles of each decode step's draft exchange, verify "
+                    "forward and bookkeeping time.")
+    summary.add_argument("spans", type=Path, help="OTLP/JSON lines file")
+    summary.add_argument("--json", action="store_true", help="print the rows as JSON")
+    summary.set_defaults(func=cmd_trace_summary)
     return parser
 
 

@@ -25,11 +25,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from splitspec import telemetry
 from splitspec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "SPLITSPEC_INJECT_INIT_FAULT"
+_TRACER = telemetry.tracer("splitspec.startup")
 
 T = TypeVar("T")
 
@@ -179,6 +181,10 @@ class Startup:
         self.report = InitReport(service=service, rank=rank)
         self.report.steps = [StepRecord(name) for name in step_names]
         self.on_change = on_change  # told of every step that starts, ends or is skipped
+        # One span for the start-up, one child span per step (an errored one when it fails).
+        self._span = _TRACER.start_span(f"startup {service}", attributes={
+            "splitspec.service": service, "splitspec.rank": rank})
+        self._span_open = True
         self._faults = injected_faults(rank)
         unknown = self._faults - set(step_names)
         if unknown:
@@ -202,9 +208,13 @@ class Startup:
         log.info("%s rank %d: %s ...", self.report.service, self.report.rank, name)
         start = time.perf_counter()
         try:
-            if name in self._faults:
-                raise InjectedFault(f"fault injected into {name} by {FAULT_ENV}")
-            result = fn(*args, **kwargs)
+            with _TRACER.start_as_current_span(
+                    f"init {name}", context=telemetry.trace.set_span_in_context(self._span),
+                    attributes={"splitspec.service": self.report.service,
+                                "splitspec.rank": self.report.rank, "splitspec.step": name}):
+                if name in self._faults:
+                    raise InjectedFault(f"fault injected into {name} by {FAULT_ENV}")
+                result = fn(*args, **kwargs)
         except Exception as exc:  # becomes a failed init step, logged here
             record.duration_s = time.perf_counter() - start
             record.state = StepState.FAILED
@@ -216,6 +226,7 @@ class Startup:
                 self.report.service, self.report.rank, name, record.error_type, exc,
             )
             self._changed()
+            self._end_span(f"step {name} failed: {record.error_type}: {exc}")
             raise InitFailed(self.report) from exc
         record.duration_s = time.perf_counter() - start
         record.state = StepState.OK
@@ -241,6 +252,21 @@ class Startup:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change(self.report)
+        if self._span_open and all(s.state in (StepState.OK, StepState.SKIPPED)
+                                   for s in self.report.steps):
+            self._end_span("")
+
+    def _end_span(self, error: str) -> None:
+        """End the start-up span (errored when a step failed) and export it now: a failed
+        start-up exits right after."""
+        if not self._span_open:
+            return
+        self._span_open = False
+        if error:
+            self._span.set_status(telemetry.trace.StatusCode.ERROR, error)
+        self._span.end()
+        if error:
+            telemetry.flush()
 
 
 @dataclass
@@ -254,6 +280,7 @@ class Detailed:
 def fail_startup(error: InitFailed, report_path: Path | None) -> int:
     """Print the report as JSON to stderr, write it to report_path; return the exit code."""
     text = error.report.to_json()
+    telemetry.flush()
     print(text, file=sys.stderr, flush=True)
     if report_path is not None:
         report_path.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 
+from splitspec import telemetry
 from splitspec.config_args import add_arguments, from_args
 from splitspec.init_report import InitFailed, Startup, fail_startup, write_report
 from target_service.config import TargetConfig
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         run_rank(where.rank, None, cfg, where)
         return 0
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s target %(levelname)s %(message)s")
+    telemetry.setup("target")
     stop = threading.Event()
     crashed: list[BaseException] = []
 
@@ -58,8 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         crashed.append(exc)
         stop.set()
 
+    engine_threads: list[threading.Thread] = []
+
     def start_engine(engine: Engine) -> None:
-        threading.Thread(target=engine.run, args=(stop, on_crash), name="engine", daemon=True).start()
+        thread = threading.Thread(target=engine.run, args=(stop, on_crash), name="engine",
+                                  daemon=True)
+        thread.start()
+        engine_threads.append(thread)
 
     startup = Startup("target", STEPS)
     ranks = None
@@ -91,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("target SERVING on %s (%d rank%s)", cfg.address, where.size,
              "s" if where.size > 1 else "")
     stop.wait()
+    if ranks is not None and not crashed:
+        ranks.stopping()  # the ranks exit when the engine releases them: not a failure
     built.server.stop()
     if built.draft is not None:
         built.draft.link.close()
@@ -102,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             os._exit(1)
         return 1
     if ranks is not None:
-        built.engine.stop_ranks()
+        for thread in engine_threads:
+            thread.join(10.0)
         ranks.join(10.0)
+    telemetry.shutdown()
     return 0
 
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import torch
 
+from splitspec import telemetry
 from splitspec.attention.base import SeqAttention
 from splitspec.kv_cache import PageTable
 from splitspec.sampling import SamplingParams, accept_sampled_tree, choose, probabilities
@@ -45,6 +46,25 @@ from target_service.sequence import FeatureHistory, Sequence, SpecCounters
 log = logging.getLogger(__name__)
 
 NO_SPECULATION = common_pb2.DraftShape()
+
+_TRACER = telemetry.tracer("splitspec.target")
+_METER = telemetry.meter("splitspec.target")
+STEP_DURATION = _METER.create_histogram(
+    "splitspec.target.step.duration", "s", "Wall time of one engine step",
+    explicit_bucket_boundaries_advisory=telemetry.STEP_BUCKETS)
+BATCH_SIZE = _METER.create_histogram(
+    "splitspec.target.batch_size", "{sequence}", "Decoding sequences in one step",
+    explicit_bucket_boundaries_advisory=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+STEPS = _METER.create_counter("splitspec.target.steps", "{step}",
+                              "Engine steps, by whether a draft tree was verified")
+ACCEPTED_LENGTH = _METER.create_histogram(
+    "splitspec.target.accepted_length", "{token}", "Draft tokens accepted per verified tree",
+    explicit_bucket_boundaries_advisory=(0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16))
+DEPTH_REACHED = _METER.create_counter(
+    "splitspec.target.tree.depth_reached", "{tree}", "Verified trees whose path reached a depth")
+DEPTH_ACCEPTED = _METER.create_counter(
+    "splitspec.target.tree.depth_accepted", "{tree}",
+    "Verified trees with a node accepted at a depth (acceptance per depth = accepted / reached)")
 
 
 @dataclass(frozen=True)
@@ -113,6 +133,7 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self._step = 0
         self._draft_compute_s = 0.0
+        self._step_traceparent = b""
         self._pending_releases: list[int] = []
         self._pending: dict[int, list[target_pb2.TokenDelta]] = {}  # stream id -> deltas to send
         self._lock = threading.Lock()
@@ -134,10 +155,6 @@ class Engine:
             self.failure = message
             for stream in self._streams.values():
                 stream.outbox.put(None)
-
-    def stop_ranks(self) -> None:
-        """Release ranks 1..N-1 from their call loop (call once the loop has stopped)."""
-        self.runner.stop()
 
     def submit(self, stream_id: int, request: target_pb2.ServeRequest) -> None:
         self._inbox.put((stream_id, request))
@@ -173,12 +190,14 @@ class Engine:
     # ---- the loop ---------------------------------------------------------------------
 
     def run(self, stop: threading.Event, on_crash: Callable[[BaseException], None]) -> None:
-        """Step until stop is set. A failing step fails every request and calls on_crash."""
+        """Step until stop is set, then release the other ranks (on this thread: no call may
+        race the last step). A failing step fails every request and calls on_crash."""
         try:
             while not stop.is_set():
                 self._drain_inbox(block=not self.scheduler.has_work)
                 if self.scheduler.has_work:
                     self.step()
+            self.runner.stop()
         except Exception as exc:  # the engine is broken: fail requests, report, let main exit
             log.exception("engine step failed; failing all requests")
             self.failure = f"target engine failed: {type(exc).__name__}: {exc}"
@@ -223,6 +242,10 @@ class Engine:
         if problem:
             self._emit(seq, [], common_pb2.FINISH_REASON_ERROR, problem)
             return
+        seq.span = _TRACER.start_span(
+            "target.sequence", context=telemetry.context_from(admit.traceparent), attributes={
+                "splitspec.request_id": seq.request_id, "splitspec.seq_id": seq.seq_id,
+                "gen_ai.usage.input_tokens": len(seq.prompt_ids)})
         self._by_request[(stream_id, seq.request_id)] = seq
         self.scheduler.add(seq)
 
@@ -269,8 +292,10 @@ class Engine:
         if not prefill and not decode:
             self._flush()  # cancellations still answer
             return
+        span = self._step_span([*prefill, *decode])
         draft_start = time.perf_counter()
         self._draft_compute_s = 0.0
+        self._step_traceparent = telemetry.traceparent(span)
         trees = self._draft_trees(decode)
         forward_start = time.perf_counter()
         result = self._forward(prefill, decode, trees)
@@ -285,7 +310,35 @@ class Engine:
             draft_s=forward_start - draft_start, forward_s=forward_end - forward_start,
             total_s=end - start, waiting=len(self.scheduler.waiting),
             draft_compute_s=self._draft_compute_s)
+        self._record_step(self.last_stats, span)
+        span.end()
         self._flush()
+
+    def _record_step(self, stats: target_pb2.StepStats, span: object) -> None:
+        """The step's figures on its span and in the step metrics."""
+        speculated = {"splitspec.speculation": stats.speculated}
+        STEPS.add(1, speculated)
+        STEP_DURATION.record(stats.total_s, speculated)
+        if stats.batch_size:
+            BATCH_SIZE.record(stats.batch_size)
+        if telemetry.enabled():
+            span.set_attributes({
+                "splitspec.step": stats.step, "splitspec.batch_size": stats.batch_size,
+                "splitspec.prefill_tokens": stats.prefill_tokens,
+                "splitspec.speculation": stats.speculated,
+                "splitspec.tree_size": stats.drafted_tokens,
+                "splitspec.accepted_tokens": stats.accepted_tokens,
+                "splitspec.draft_s": stats.draft_s, "splitspec.draft_compute_s": stats.draft_compute_s,
+                "splitspec.forward_s": stats.forward_s, "splitspec.total_s": stats.total_s})
+
+    def _step_span(self, seqs: list[Sequence]) -> object:
+        """The step's span: a child of its oldest sequence's span, linked to all of them."""
+        if not telemetry.enabled():
+            return _TRACER.start_span("target.step")
+        spans = [s.span for s in sorted(seqs, key=lambda s: s.seq_id) if s.span is not None]
+        links = [telemetry.trace.Link(s.get_span_context()) for s in spans]
+        parent = telemetry.trace.set_span_in_context(spans[0]) if spans else None
+        return _TRACER.start_span("target.step", context=parent, links=links)
 
     def _shape(self, seq: Sequence, batch_size: int) -> common_pb2.DraftShape:
         if self.draft is None or seq.speculation == common_pb2.SPECULATION_MODE_OFF:
@@ -308,7 +361,8 @@ class Engine:
         if not wanting or self.draft is None:
             return {}
         request = draft_pb2.DraftRequest(step=self._step, release_ids=self._pending_releases,
-                                         seqs=[self._draft_input(s, shapes[s.seq_id]) for s in wanting])
+                                         seqs=[self._draft_input(s, shapes[s.seq_id]) for s in wanting],
+                                         traceparent=self._step_traceparent)
         result = self.draft.exchange(request)
         if result.stream_restarted:
             for seq in self.scheduler.running:
@@ -457,6 +511,11 @@ class Engine:
         if tree.num_nodes:
             depth = max(depths(tree.parents))
             seq.spec.record_verify(tree.num_nodes, depth, len(acceptance.path))
+            ACCEPTED_LENGTH.record(len(acceptance.path))
+            for d in range(1, min(len(acceptance.path) + 1, depth) + 1):
+                DEPTH_REACHED.add(1, {"splitspec.depth": d})
+                if d <= len(acceptance.path):
+                    DEPTH_ACCEPTED.add(1, {"splitspec.depth": d})
         else:
             seq.spec.plain_steps += 1
         self._emit_tokens(seq, acceptance.tokens)
@@ -483,6 +542,14 @@ class Engine:
             return
         self.scheduler.finish(seq)
         self.totals.merge(seq.spec)
+        if seq.span is not None:
+            if telemetry.enabled():
+                spec = seq.spec.to_pb()
+                seq.span.set_attributes({
+                    "gen_ai.usage.output_tokens": len(seq.tokens) - len(seq.prompt_ids),
+                    "splitspec.spec.verify_steps": spec.verify_steps,
+                    "splitspec.spec.accepted_length": spec.mean_accepted_length})
+            seq.span.end()
         if seq.draft_synced:
             self._pending_releases.append(seq.seq_id)
 

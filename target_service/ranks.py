@@ -37,6 +37,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from typing import NoReturn
 
+from splitspec import telemetry
 from splitspec.init_report import InitReport, StepState, describe_failure
 from splitspec.v1 import common_pb2
 
@@ -159,6 +160,7 @@ class RankSet:
                 self.report_path.write_text(text)
             log.error("start-up failed: %s", cause)
             self.kill()
+            telemetry.flush()
             logging.shutdown()
             os._exit(1)
 
@@ -170,6 +172,10 @@ class RankSet:
         while time.monotonic() < deadline and not self.failed.is_set():
             time.sleep(0.05)
         self._abort(describe_failure(self.own))
+
+    def stopping(self) -> None:
+        """Rank 0 is shutting down: ranks that exit from now on are not failures."""
+        self._stopping = True
 
     def kill(self) -> None:
         """Stop every rank now (SIGKILL after a short SIGTERM grace)."""

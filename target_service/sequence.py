@@ -56,6 +56,7 @@ class Sequence:
     table: PageTable
     seq_id: int  # unique within this target process (the draft's key)
     sampling: SamplingParams = SamplingParams()
+    span: object = None  # the sequence's span (splitspec.telemetry), ended when it finishes
     arrived_at: float = field(default_factory=time.monotonic)
     status: SeqStatus = SeqStatus.WAITING
     tokens: list[int] = field(default_factory=list)  # committed: prompt + generated

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable
 from datetime import timedelta
@@ -23,6 +24,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from splitspec import telemetry
 from splitspec.attention import AttentionBackend, make_backend
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, InitFailed, InitReport, Startup, fail_startup
@@ -283,8 +285,10 @@ def build_rank(cfg: TargetConfig, startup: Startup, where: Placement) -> RankPar
 def run_rank(rank: int, conn: Connection | None, cfg: TargetConfig, where: Placement) -> None:
     """Ranks 1..N-1 (a process of their own): init steps, then rank 0's calls until it stops."""
     die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
     logging.basicConfig(level=cfg.log_level,
                         format=f"%(asctime)s target[rank {rank}] %(levelname)s %(message)s")
+    telemetry.setup("target")
     where = where._replace(rank=rank)
     startup = Startup("target", STEPS, rank, on_change=lambda report: send(conn, "report", report))
     try:
