@@ -65,11 +65,90 @@ def test_target_ranks_follow_its_gpu_count():
 @pytest.mark.parametrize("stack", ["gpu", "cpu"])
 def test_every_command_line_parses(stack):
     services = load(GPU)["services"] if stack == "gpu" else merged()
-    assert set(services) == set(PARSERS)
-    for name, spec in services.items():
+    assert set(PARSERS) <= set(services)
+    for name in PARSERS:
+        spec = services[name]
         argv = defaults(spec["command"])
         assert argv[:3] == ["python", "-m", {"draft": "draft_service", "target": "target_service",
                                              "gateway": "gateway"}[name]]
         PARSERS[name](argv[3:])  # argparse exits on an unknown flag or a bad value
         if stack == "cpu":
             assert "deploy" not in spec and "cuda" not in argv, name
+
+
+# ---- the file's structure: keys, references, health checks ----------------------------------
+
+SERVICE_KEYS = {"image", "build", "command", "environment", "depends_on", "deploy", "healthcheck",
+                "ports", "ipc", "shm_size", "volumes"}
+CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
+
+
+@pytest.mark.parametrize("stack", ["gpu", "cpu"])
+def test_structure_and_references(stack):
+    top = load(GPU)
+    assert set(top) - {"services", "volumes", "networks"} <= {k for k in top if k.startswith("x-")}
+    services = top["services"] if stack == "gpu" else merged()
+    assert {"gateway", "target", "draft", "otel-collector", "jaeger"} == set(services)
+    for name, spec in services.items():
+        assert set(spec) <= SERVICE_KEYS, (name, set(spec) - SERVICE_KEYS)
+        assert "image" in spec, name
+        for dependency, how in spec.get("depends_on", {}).items():
+            assert dependency in services, (name, dependency)
+            assert how["condition"] in CONDITIONS
+            if how["condition"] == "service_healthy":
+                assert "healthcheck" in services[dependency], (name, dependency)
+        for volume in spec.get("volumes", []):
+            host = volume.split(":")[0]
+            if host.startswith("./") and not host.startswith("./traces"):
+                assert (REPO / host).exists(), (name, host)
+    for name in ("gateway", "target", "draft"):  # grpc.health.v1 and the collector
+        spec = services[name]
+        assert spec["healthcheck"]["test"][:4] == ["CMD", "python", "-m", "splitspec.healthcheck"]
+        port = spec["command"][spec["command"].index("--port") + 1]
+        assert spec["healthcheck"]["test"][4] == f"localhost:{port}"
+        assert spec["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
+        assert spec["environment"]["OTEL_SERVICE_NAME"] == f"splitspec-{name}"
+    assert services["target"]["healthcheck"]["start_period"] in ("300s", "600s")
+
+
+# ---- the CPU stack's own command lines, run as local processes ------------------------------
+
+
+@pytest.mark.slow
+def test_cpu_stack_command_lines_run_and_generate(tmp_path):
+    """Each service's command from the CPU stack, as written (service names resolve to this
+    host, ports moved to free ones), started in dependency order; then a generation."""
+    import grpc
+
+    from splitspec.v1 import gateway_pb2, gateway_pb2_grpc
+    from tests.stack import Service, free_port
+
+    services = merged()
+    ports = {}
+    for name in ("draft", "target", "gateway"):
+        command = defaults(services[name]["command"])
+        ports[command[command.index("--port") + 1]] = str(free_port())
+    started = []
+    try:
+        for name in ("draft", "target", "gateway"):
+            argv = defaults(services[name]["command"])[3:]
+            local = []
+            for i, arg in enumerate(argv):
+                host, _, port = arg.rpartition(":")
+                if i and argv[i - 1] == "--port":
+                    arg = ports[arg]
+                elif host in services:  # compose's DNS name of a service: this host here
+                    arg = f"127.0.0.1:{ports[port]}"
+                local.append(arg)
+            at = local.index("--port")
+            port, args = int(local[at + 1]), local[:at] + local[at + 2:]
+            started.append(Service(services[name]["command"][2], args, tmp_path,
+                                   port=port).wait_serving(180))
+        with grpc.insecure_channel(started[-1].address) as channel:
+            reply = gateway_pb2_grpc.GatewayStub(channel).Generate(gateway_pb2.GenerateRequest(
+                text="def add(a, b):\n", stopping=gateway_pb2.StoppingParams(
+                    max_new_tokens=8, ignore_eos=True)), timeout=60)
+        assert reply.usage.completion_tokens == 8
+    finally:
+        for service in reversed(started):
+            service.stop()
