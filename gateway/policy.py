@@ -111,6 +111,7 @@ class _Bucket:
     is_on: bool = True        # the decision
     probe_left: int = 0       # steps left measuring the other mode
     since_probe: int = 0
+    is_clear: bool = False    # the last comparison was far from the margin: probe less often
 
     def rates(self) -> tuple[float, float]:
         """Tokens per second per sequence with and without speculation (window means); the
@@ -127,13 +128,17 @@ class AdaptivePolicy:
     ``min_samples`` times and the other mode beats the current one by
     ``margin`` (relative) over the last WINDOW steps of each, so noise in the
     per-step acceptance does not make it flap; every ``probe_every`` steps it
-    re-measures the mode not in use for ``probe_steps`` steps.
+    re-measures the mode not in use for ``probe_steps`` steps, and only every
+    ``clear_factor * probe_every`` steps while the mode in use wins by more than
+    ``clear_factor`` margins (re-measuring a mode that is far behind costs
+    tokens and says little).
     """
 
     def __init__(self, shape: common_pb2.DraftShape, margin: float = 0.05, min_samples: int = 8,
-                 probe_every: int = 100, probe_steps: int = 8) -> None:
+                 probe_every: int = 100, probe_steps: int = 8, clear_factor: int = 4) -> None:
         self.shape = shape
         self.margin = margin
+        self.clear_factor = clear_factor
         self.min_samples, self.probe_every, self.probe_steps = min_samples, probe_every, probe_steps
         self.buckets = {b: _Bucket() for b in BUCKETS}
         self._policy = self._build()
@@ -165,13 +170,16 @@ class AdaptivePolicy:
             return
         bucket.since_probe += 1
         other = bucket.off if bucket.is_on else bucket.on
-        if len(other) < self.min_samples or bucket.since_probe >= self.probe_every:
+        interval = self.probe_every * (self.clear_factor if bucket.is_clear else 1)
+        if len(other) < self.min_samples or bucket.since_probe >= interval:
             bucket.probe_left = self.probe_steps  # measure the mode not in use
             bucket.since_probe = 0
             return
         if len(bucket.on) < self.min_samples or len(bucket.off) < self.min_samples:
             return
         on, off = bucket.rates()
+        current, alternative = (on, off) if bucket.is_on else (off, on)
+        bucket.is_clear = current > alternative * (1 + self.clear_factor * self.margin)
         if bucket.is_on and on < off * (1 - self.margin):
             bucket.is_on = False
             log.info("batch <= %d: speculation off (%.1f vs %.1f tok/s per sequence)", size, on, off)

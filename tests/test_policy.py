@@ -91,3 +91,20 @@ def test_adaptive_holds_on_through_noisy_acceptance():
         off_steps += (not speculate) and i > 200
     assert policy.buckets[1].is_on
     assert off_steps < 0.15 * 1800, off_steps  # only the periodic re-measurement runs off
+
+
+def test_adaptive_probes_rarely_when_the_winner_is_clear():
+    """2x apart: OFF is re-measured for 8 steps every 400, not every 100; a close call
+    (within 4 margins) keeps the every-100 rhythm."""
+    clear, close = AdaptivePolicy(DEFAULT), AdaptivePolicy(DEFAULT)
+    off_clear = off_close = 0
+    for i in range(2000):
+        on = speculates(clear, 1)
+        clear.observe(step(1, on, 0.010 if on else 0.005, 3 if on else 0))  # 4 vs 1 token
+        off_clear += (not on) and i > 200
+        on = speculates(close, 1)
+        close.observe(step(1, on, 0.010 if on else 0.0055, 1 if on else 0))  # 2/10 vs 1/5.5
+        off_close += (not on) and i > 200
+    assert clear.buckets[1].is_on and close.buckets[1].is_on
+    assert off_clear <= 0.03 * 1800, off_clear
+    assert off_close >= 0.06 * 1800, off_close
