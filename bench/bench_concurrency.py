@@ -11,7 +11,8 @@ gateway does), runs the four policies interleaved, ``--repeats`` times each:
 * adaptive: one ``gateway.policy.AdaptivePolicy`` per concurrency, fed with every
   step's statistics and learning across the repeats.
 
-Each concurrency starts with ``--warmup`` untimed OFF and ON runs: the first
+Each concurrency starts with ``--warmup`` untimed OFF, ON and adaptive runs (adaptive
+learns in them, as a long-running gateway would have): the first
 runs on a fresh target are slow (2 CPU cores, 64 streams: OFF 12.4 s then
 7.0 s for the same work), and a warm-up per concurrency covers new batch sizes
 too. Medians are reported; a ratio is the median of the per-repeat ratios
@@ -131,7 +132,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{'/'.join(map(str, settings['shape']))} (nodes/topk/depth); {settings['prompts']} "
         f"prompts{prompt_len} x {settings['max_new_tokens']} new tokens, greedy; "
         f"{settings['repeats']} runs per mode, interleaved, medians, after "
-        f"{settings.get('warmup', 0)} untimed OFF and ON run(s) at each concurrency.",
+        f"{settings.get('warmup', 0)} untimed OFF, ON and adaptive run(s) at each concurrency.",
         "",
         "| concurrency | prompts | OFF tok/s | ON tok/s | "
         f"static (<={threshold}) tok/s | adaptive tok/s | ON / OFF | adaptive / best(OFF, ON) |",
@@ -224,9 +225,11 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                                  **{key: {mode: [] for mode in MODES} for key in (
                                      "tokens_per_s", "wall_s", "accepted_per_verify_step",
                                      "speculated_step_share", "mean_decode_batch")},
-                                 "warmup_tokens_per_s": {"OFF": [], "ON": []}}
-        for _ in range(args.warmup):  # untimed: the first runs at a new batch size are slow
-            for mode in ("OFF", "ON"):
+                                 "warmup_tokens_per_s": {"OFF": [], "ON": [], "adaptive": []}}
+        # Untimed: the first runs at a new batch size are slow, and the adaptive policy learns
+        # here what a long-running gateway has long known.
+        for _ in range(args.warmup):
+            for mode in ("OFF", "ON", "adaptive"):
                 stats = run_target(stub, prompts, args.max_new_tokens, runs[mode], concurrency)
                 entry["warmup_tokens_per_s"][mode].append(stats.tokens_per_s)
                 print(f"warm-up: concurrency {concurrency}, {mode}: {stats.tokens_per_s:.1f} "
@@ -280,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode; medians reported")
     parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed OFF and ON runs at each concurrency before the timed ones")
+                        help="untimed OFF, ON and adaptive runs at each concurrency before the timed ones (adaptive learns in them)")
     parser.add_argument("--out-md", type=Path, help="write the markdown table here")
     parser.add_argument("--out-json", type=Path, help="write the raw numbers here")
     parser.add_argument("--out-png", type=Path, help="write the plot here (needs matplotlib)")
