@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,6 +28,20 @@ from splitspec.builtin import BUILTIN_TARGET  # noqa: E402
 from splitspec.grpc_server import wait_for_serving  # noqa: E402
 from splitspec.v1 import target_pb2_grpc  # noqa: E402
 from tests.otlp_receiver import OTLPReceiver  # noqa: E402
+
+
+def wait_up(address: str, procs: list[subprocess.Popen], what: str) -> object:
+    """A channel once the target is SERVING; fails at once when one of its processes exits."""
+    deadline = time.monotonic() + 300
+    while True:
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{what}: {proc.args[2]} exited with {proc.returncode}")
+        try:
+            return wait_for_serving(address, 5, what)
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
 
 
 def main() -> int:
@@ -51,9 +67,9 @@ def main() -> int:
             os.environ.clear()
             os.environ.update(saved)
         procs += traced
-        stubs = {name: target_pb2_grpc.TargetStub(wait_for_serving(address, 300, name))
-                 for name, address in (("no exporter", address_plain),
-                                       ("OTLP exporter", address_traced))}
+        stubs = {name: target_pb2_grpc.TargetStub(wait_up(address, group, name))
+                 for name, address, group in (("no exporter", address_plain, plain),
+                                              ("OTLP exporter", address_traced, traced))}
         prompts = load_prompts("heldout", models / "target", args.num_prompts, 64)
         rates: dict[tuple[str, str], list[float]] = {}
         for repeat in range(args.repeats + 1):  # the first round warms up

@@ -76,7 +76,32 @@ def test_every_command_line_parses(stack):
             assert "deploy" not in spec and "cuda" not in argv, name
 
 
-# ---- the file's structure: keys, references, health checks ----------------------------------
+# ---- the file's structure: the compose schema, references, health checks ---------------------
+
+
+def compose_schema() -> dict:
+    """The compose-spec JSON schema that check-jsonschema ships (validation needs no network)."""
+    import json
+    from importlib.resources import files
+
+    return json.loads((files("check_jsonschema") / "builtin_schemas" / "vendor" /
+                       "compose-spec.json").read_text())
+
+
+@pytest.mark.parametrize("stack", ["gpu", "cpu"])
+def test_the_compose_schema_accepts_the_stack(stack):
+    import jsonschema
+
+    document = load(GPU)
+    if stack == "cpu":  # what compose validates: the base file with the override applied
+        document = {**document, "services": merged()}
+    jsonschema.validate(document, compose_schema())
+    broken = {**document, "services": {**document["services"], "gateway": {
+        **document["services"]["gateway"], "ports": "50051"}}}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, compose_schema())
+
+# ---- references and health checks ----------------------------------
 
 SERVICE_KEYS = {"image", "build", "command", "environment", "depends_on", "deploy", "healthcheck",
                 "ports", "ipc", "shm_size", "volumes"}
