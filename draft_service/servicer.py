@@ -116,8 +116,10 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
 
     def _reply(self, session: object, request: draft_pb2.DraftRequest) -> draft_pb2.DraftReply:
         start = time.perf_counter()
+        links = telemetry.links_to([s.traceparent for s in request.seqs]) if telemetry.enabled() else []
         with _TRACER.start_as_current_span(
-                "draft.exchange", context=telemetry.context_from(request.traceparent)) as span:
+                "draft.exchange", context=telemetry.context_from(request.traceparent),
+                links=links) as span:
             results = self.drafter.draft(session, [seq_input_from_pb(s) for s in request.seqs],
                                          request.release_ids)
             trees = [tree_to_pb(r) for r in results]

@@ -315,13 +315,13 @@ class Engine:
         self._flush()
 
     def _record_step(self, stats: target_pb2.StepStats, span: object) -> None:
-        """The step's figures on its span and in the step metrics."""
-        speculated = {"splitspec.speculation": stats.speculated}
-        STEPS.add(1, speculated)
-        STEP_DURATION.record(stats.total_s, speculated)
-        if stats.batch_size:
-            BATCH_SIZE.record(stats.batch_size)
+        """The step's figures on its span and in the step metrics (nothing when not exporting)."""
         if telemetry.enabled():
+            speculated = {"splitspec.speculation": stats.speculated}
+            STEPS.add(1, speculated)
+            STEP_DURATION.record(stats.total_s, speculated)
+            if stats.batch_size:
+                BATCH_SIZE.record(stats.batch_size)
             span.set_attributes({
                 "splitspec.step": stats.step, "splitspec.batch_size": stats.batch_size,
                 "splitspec.prefill_tokens": stats.prefill_tokens,
@@ -385,6 +385,8 @@ class Engine:
                                        new_tokens=seq.tokens[start:], shape=shape)
         if not seq.sampling.is_greedy:
             item.sampling.CopyFrom(seq.sampling.to_pb())
+        if telemetry.enabled() and seq.span is not None:
+            item.traceparent = telemetry.traceparent(seq.span)
         if seq.features is not None:
             rows = seq.features.rows(max(start - 1, 0), seq.num_cached)
             item.hidden_states = rows.contiguous().cpu().view(torch.uint8).numpy().tobytes()
@@ -511,11 +513,12 @@ class Engine:
         if tree.num_nodes:
             depth = max(depths(tree.parents))
             seq.spec.record_verify(tree.num_nodes, depth, len(acceptance.path))
-            ACCEPTED_LENGTH.record(len(acceptance.path))
-            for d in range(1, min(len(acceptance.path) + 1, depth) + 1):
-                DEPTH_REACHED.add(1, {"splitspec.depth": d})
-                if d <= len(acceptance.path):
-                    DEPTH_ACCEPTED.add(1, {"splitspec.depth": d})
+            if telemetry.enabled():  # per sequence and depth: skipped entirely when not exporting
+                ACCEPTED_LENGTH.record(len(acceptance.path))
+                for d in range(1, min(len(acceptance.path) + 1, depth) + 1):
+                    DEPTH_REACHED.add(1, {"splitspec.depth": d})
+                    if d <= len(acceptance.path):
+                        DEPTH_ACCEPTED.add(1, {"splitspec.depth": d})
         else:
             seq.spec.plain_steps += 1
         self._emit_tokens(seq, acceptance.tokens)

@@ -106,6 +106,7 @@ def test_one_request_is_one_trace_across_three_processes(receiver, tmp_path):
     assert any(s.attributes["splitspec.speculation"] for s in steps)
     exchanges = [s for s in spans if s.name == "draft.exchange"]
     assert exchanges and all(by_id[s.parent_span_id].name == "target.step" for s in exchanges)
+    assert all((CLIENT_TRACE, sequence.span_id) in s.links for s in exchanges)
     # Every service's start-up is traced too.
     startups = {s.service for s in receiver.spans if s.name.startswith("startup ")}
     assert startups == {"splitspec-gateway", "splitspec-target", "splitspec-draft"}

@@ -50,7 +50,7 @@ class DraftInfo(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_sha256: _Optional[str] = ..., needs_hidden_states: _Optional[bool] = ..., target_hidden_size: _Optional[int] = ..., aux_layer_inputs: _Optional[_Iterable[int]] = ..., target_num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., sampled_trees: _Optional[bool] = ...) -> None: ...
 
 class SeqDraftInput(_message.Message):
-    __slots__ = ("seq_id", "start", "new_tokens", "hidden_states", "hidden_dim", "dtype", "shape", "sampling")
+    __slots__ = ("seq_id", "start", "new_tokens", "hidden_states", "hidden_dim", "dtype", "shape", "sampling", "traceparent")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class SeqDraftInput(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +68,8 @@ class SeqDraftInput(_message.Message):
     dtype: str
     shape: _common_pb2.DraftShape
     sampling: _common_pb2.SamplingParams
-    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ..., hidden_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Union[_common_pb2.DraftShape, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    traceparent: bytes
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ..., hidden_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Union[_common_pb2.DraftShape, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[bytes] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
     __slots__ = ("step", "seqs", "release_ids", "traceparent")
