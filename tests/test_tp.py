@@ -2,7 +2,7 @@
 
 - The sharded model (2 and 4 ranks, KV heads split or replicated) computes the
   logits of the whole model, and each rank loads only its shard.
-- The target service with --tp 2 gives greedy output identical to --tp 1,
+- The target service with --tp 2 (and under torchrun) gives greedy output identical to --tp 1,
   speculation ON and OFF.
 - A fault injected on rank 1 only, at every init step, fails start-up within
   seconds, naming rank 1 and the step, with every process gone.
@@ -311,3 +311,47 @@ def test_nccl_tp_greedy_agrees_with_one_rank(size, tmp_path):
     assert shares["tp1 OFF"]["identical_tokens"] == 1.0
     for mode in ("OFF", "ON"):
         assert shares[f"tp{size} {mode}"]["identical_tokens"] >= 0.8, shares
+
+
+@pytest.mark.slow
+def test_runs_under_torchrun(tmp_path):
+    """torchrun starts the ranks: rank 0 serves, gathers rank 1's report, and generates."""
+    import subprocess
+    import sys
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitspec.v1 import common_pb2 as common
+
+    port = free_port()
+    log = (tmp_path / "torchrun.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), "-m", "target_service", "--port", str(port)],
+        cwd=Path(__file__).resolve().parent.parent, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        address = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        with grpc.insecure_channel(address) as channel:
+            while True:
+                assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()
+                try:
+                    status = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(), timeout=1).status
+                except grpc.RpcError:  # not listening yet
+                    status = None
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                assert time.monotonic() < deadline, (tmp_path / "torchrun.log").read_text()
+                time.sleep(0.2)
+            stub = target_pb2_grpc.TargetStub(channel)
+            assert stub.GetInfo(target_pb2.GetTargetInfoRequest(), timeout=5).tp_size == 2
+            report = stub.GetInitReport(common.GetInitReportRequest(), timeout=5)
+            assert report.ok and [r.rank for r in report.ranks] == [1]
+        prompt = load_tokenizer(BUILTIN_TARGET).encode(TEXTS[0])
+        (tokens,) = generate_on_target(address, [prompt], common.SPECULATION_MODE_OFF)
+        assert len(tokens) == NEW_TOKENS
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
