@@ -2,8 +2,8 @@
 
 - The sharded model (2 and 4 ranks, KV heads split or replicated) computes the
   logits of the whole model, and each rank loads only its shard.
-- The target service with --tp 2 (and under torchrun) gives greedy output identical to --tp 1,
-  speculation ON and OFF.
+- The target service with --tp 2 gives greedy output identical to --tp 1,
+  speculation ON and OFF; under torchrun it serves, with rank 1's report.
 - A fault injected on rank 1 only, at every init step, fails start-up within
   seconds, naming rank 1 and the step, with every process gone.
 - Rank 1 killed mid-generation: the streams in flight end with UNAVAILABLE,
