@@ -59,12 +59,12 @@ class InitFailed(Exception):
 def describe_failure(report: InitReport) -> str:
     """'<service> rank <r> failed to start at step <name>: <type>: <message>', for the first
     failed step of the process, else of the first failed rank it gathered."""
-    for where in (report, *report.ranks):
-        for step in where.steps:
-            if step.state is StepState.FAILED:
-                return (f"{where.service} rank {where.rank} failed to start at step {step.name!r}: "
-                        f"{step.error_type}: {step.error_message}")
-    return f"{report.service} rank {report.rank} failed to start"
+    failure = report.first_failure()
+    if failure is None:
+        return f"{report.service} rank {report.rank} failed to start"
+    where, step = failure
+    return (f"{where.service} rank {where.rank} failed to start at step {step.name!r}: "
+            f"{step.error_type}: {step.error_message}")
 
 
 @dataclass
@@ -118,12 +118,19 @@ class InitReport:
     @property
     def failed_step(self) -> StepRecord | None:
         """The first failed step of this process, else of the first failed rank."""
+        failure = self.first_failure()
+        return failure[1] if failure is not None else None
+
+    def first_failure(self) -> tuple[InitReport, StepRecord] | None:
+        """(the report of the process that failed, its failed step): this process first,
+        then the gathered ranks in order."""
         for step in self.steps:
             if step.state is StepState.FAILED:
-                return step
+                return self, step
         for rank in self.ranks:
-            if rank.failed_step is not None:
-                return rank.failed_step
+            failure = rank.first_failure()
+            if failure is not None:
+                return failure
         return None
 
     def to_dict(self) -> dict[str, Any]:
@@ -240,14 +247,13 @@ class Startup:
 
     def skip(self, name: str, why: str) -> None:
         """Record a step that this configuration does not need."""
+        if name in self._faults:
+            # An injected fault must fail even a skipped step: tests rely on every step failing.
+            self.step(name, lambda: None)
         record = self._record(name)
         record.state = StepState.SKIPPED
         record.detail = why
         self._changed()
-        if name in self._faults:
-            # An injected fault must fail even a skipped step: tests rely on every step failing.
-            self.step(name, lambda: None)
-
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -257,16 +263,14 @@ class Startup:
             self._end_span("")
 
     def _end_span(self, error: str) -> None:
-        """End the start-up span (errored when a step failed) and export it now: a failed
-        start-up exits right after."""
+        """End the start-up span, errored when a step failed (whoever fails the start-up
+        exports it before the process exits: fail_startup, or the TP rank watcher)."""
         if not self._span_open:
             return
         self._span_open = False
         if error:
             self._span.set_status(telemetry.trace.StatusCode.ERROR, error)
         self._span.end()
-        if error:
-            telemetry.flush()
 
 
 @dataclass

@@ -88,10 +88,6 @@ class RankSet:
             self.all_ready.set()
         threading.Thread(target=self._watch, name="rank-watcher", daemon=True).start()
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs.values()]
-
     def wait_ready(self) -> None:
         """Block until every rank is ready; a failed rank ends the process (see _abort)."""
         while not self.all_ready.wait(0.1):
@@ -117,7 +113,7 @@ class RankSet:
         """Take one message; False at end of file (the rank closed its pipe or died)."""
         try:
             kind, data = conn.recv()
-        except EOFError:
+        except EOFError:  # the rank is gone: its sentinel fires too, and _died reports it
             return False
         report = InitReport.from_pb(common_pb2.InitReport.FromString(data))
         self.reports[rank] = report

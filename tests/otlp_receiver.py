@@ -42,7 +42,6 @@ class OTLPReceiver(trace_service_pb2_grpc.TraceServiceServicer,
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
         self.metric_names: dict[str, set[str]] = {}  # service -> metric names
-        self.metrics: list[tuple[str, object]] = []  # (service, Metric proto)
         self._lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
@@ -85,7 +84,6 @@ class OTLPReceiver(trace_service_pb2_grpc.TraceServiceServicer,
                 for scope in resource_metrics.scope_metrics:
                     for metric in scope.metrics:
                         self.metric_names.setdefault(service, set()).add(metric.name)
-                        self.metrics.append((service, metric))
 
     def wait_for(self, done: Callable[[OTLPReceiver], bool], timeout_s: float = 20.0) -> bool:
         deadline = time.monotonic() + timeout_s
