@@ -45,10 +45,16 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-from bench_speculation import SHAPES, RunStats, load_prompts, run_target, start_stack
+from bench_speculation import (
+    SHAPES,
+    RunStats,
+    add_stack_arguments,
+    load_prompts,
+    run_target,
+    start_stack,
+)
 
 from gateway.policy import AdaptivePolicy, static_policy
-from splitspec.builtin import BUILTIN_TARGET
 from splitspec.grpc_server import wait_for_serving
 from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
 
@@ -255,17 +261,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="localhost:50052", help="target address")
-    parser.add_argument("--start", action="store_true", help="start draft and target here")
-    parser.add_argument("--draft-kind", default="eagle3", choices=["eagle3", "standalone", "self"],
-                        help="with --start: the built-in EAGLE-3 head, the standalone draft, or "
-                             "the target itself as a standalone draft")
-    parser.add_argument("--models", type=Path, default=BUILTIN_TARGET.parent,
-                        help="folder holding target/, eagle3/ and draft/ (with --start)")
-    parser.add_argument("--device", default="cpu",
-                        help="with --start: torch device of both services (else: as recorded)")
-    parser.add_argument("--dtype", default="float32",
-                        help="with --start: dtype of both services (else: as recorded)")
+    add_stack_arguments(parser)  # --device and --dtype are also recorded with the results
     parser.add_argument("--machine", default="", help="names the machine in the plot and table "
                                                       "(default: described from this host)")
     parser.add_argument("--shape", default="tree", choices=list(SHAPES),

@@ -13,6 +13,7 @@ target on free ports (``--draft-kind eagle3|standalone|self``).
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import socket
 import statistics
@@ -178,21 +179,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
+    """--target, or --start with the draft kind, models, device and dtype of a stack to start."""
+    parser.add_argument("--target", default="localhost:50052", help="target address")
+    parser.add_argument("--start", action="store_true", help="start draft and target here")
+    parser.add_argument("--draft-kind", default="eagle3", choices=["eagle3", "standalone", "self"],
+                        help="with --start: the built-in EAGLE-3 head, the standalone draft, or "
+                             "the target itself as a standalone draft (every token accepted)")
+    parser.add_argument("--models", type=Path, default=BUILTIN_TARGET.parent,
+                        help="folder holding target/, eagle3/ and draft/ (with --start)")
+    parser.add_argument("--device", default="cpu", help="with --start: torch device of both services")
+    parser.add_argument("--dtype", default="float32", help="with --start: dtype of both services")
+
+
 def start_stack(draft_kind: str, models: Path, device: str, dtype: str,
-                max_running: int | None = None) -> tuple[list[subprocess.Popen], str]:
-    """Draft and target on free ports; `max_running`: the target's (None: its default)."""
+                max_running: int | None = None, env: dict[str, str] | None = None
+                ) -> tuple[list[subprocess.Popen], str]:
+    """Draft and target on free ports; `max_running`: the target's (None: its default);
+    `env`: extra environment variables of both processes."""
     draft_port, target_port = free_port(), free_port()
     draft_dir = {"eagle3": models / "eagle3", "standalone": models / "draft",
                  "self": models / "target"}[draft_kind]
     common = ["--device", device, "--dtype", dtype]
+    full_env = {**os.environ, **(env or {})}
     procs = [subprocess.Popen([sys.executable, "-m", "draft_service", "--port", str(draft_port),
                                "--model", str(draft_dir), "--target-model", str(models / "target"),
-                               *common], stdout=subprocess.DEVNULL)]
+                               *common], stdout=subprocess.DEVNULL, env=full_env)]
     limits = [] if max_running is None else ["--max-running", str(max_running)]
     procs.append(subprocess.Popen([sys.executable, "-m", "target_service", "--port",
                                    str(target_port), "--draft", f"127.0.0.1:{draft_port}",
                                    "--model", str(models / "target"), *common, *limits],
-                                  stdout=subprocess.DEVNULL))
+                                  stdout=subprocess.DEVNULL, env=full_env))
     return procs, f"127.0.0.1:{target_port}"
 
 
@@ -217,16 +234,8 @@ def load_prompts(source: str, tokenizer_dir: Path, num: int, prompt_len: int) ->
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="localhost:50052", help="target address")
+    add_stack_arguments(parser)
     parser.add_argument("--gateway", default="", help="also time end to end through this gateway")
-    parser.add_argument("--start", action="store_true", help="start draft and target here")
-    parser.add_argument("--draft-kind", default="eagle3", choices=["eagle3", "standalone", "self"],
-                        help="with --start: the built-in EAGLE-3 head, the standalone draft, or "
-                             "the target itself as a standalone draft (every token accepted)")
-    parser.add_argument("--models", type=Path, default=BUILTIN_TARGET.parent,
-                        help="folder holding target/, eagle3/ and draft/ (with --start)")
-    parser.add_argument("--device", default="cpu", help="with --start: torch device of both services")
-    parser.add_argument("--dtype", default="float32", help="with --start: dtype of both services")
     parser.add_argument("--shapes", default="tree",
                         help=f"comma-separated draft shapes to run ON with: {', '.join(SHAPES)}; "
                              "'adaptive' runs the gateway's adaptive policy with the tree shape")

@@ -12,7 +12,6 @@ per repeat, so drift hits both alike.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -59,13 +58,8 @@ def main() -> int:
     try:
         plain, address_plain = start_stack("eagle3", models, args.device, args.dtype)
         procs += plain
-        saved = dict(os.environ)
-        os.environ.update(receiver.env())
-        try:
-            traced, address_traced = start_stack("eagle3", models, args.device, args.dtype)
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
+        traced, address_traced = start_stack("eagle3", models, args.device, args.dtype,
+                                             env=receiver.env())
         procs += traced
         stubs = {name: target_pb2_grpc.TargetStub(wait_up(address, group, name))
                  for name, address, group in (("no exporter", address_plain, plain),

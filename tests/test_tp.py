@@ -17,6 +17,8 @@ import json
 import os
 import queue
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -38,6 +40,9 @@ from splitspec.model.parallel import SINGLE, TPGroup, tp_error
 from splitspec.tokenizer import load_tokenizer
 from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.stack import Service, free_port
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import bench_tp
 
 PROMPT_IDS = list(range(5, 45))
 
@@ -141,8 +146,8 @@ def processes_tagged(tag: str) -> list[int]:
         try:
             environ = (entry / "environ").read_bytes()
             state = (entry / "stat").read_text().split()[2]
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue  # ended while we looked, or a process this user may not inspect (not ours)
         if needle in environ.split(b"\0") and state != "Z":
             pids.append(int(entry.name))
     return pids
@@ -150,25 +155,7 @@ def processes_tagged(tag: str) -> list[int]:
 
 def generate_on_target(address: str, prompts: list[list[int]], mode: int) -> list[list[int]]:
     """Greedy continuations through the target's Serve stream, all prompts at once."""
-    requests: queue.Queue = queue.Queue()
-    for i, ids in enumerate(prompts):
-        requests.put(target_pb2.ServeRequest(admit=target_pb2.Admit(
-            request_id=i, prompt_ids=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True,
-            speculation=mode)))
-    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    done = 0
-    with grpc.insecure_channel(address) as channel:
-        call = target_pb2_grpc.TargetStub(channel).Serve(iter(requests.get, None), timeout=300)
-        for event in call:
-            for delta in event.deltas:
-                assert delta.finish_reason != common_pb2.FINISH_REASON_ERROR, delta.error
-                out[delta.request_id].extend(delta.token_ids)
-                done += bool(delta.finish_reason)
-            if done == len(prompts):
-                break
-        call.cancel()
-    requests.put(None)
-    return [out[i] for i in range(len(prompts))]
+    return bench_tp.serve(address, prompts, NEW_TOKENS, mode)[0]
 
 
 @pytest.fixture(scope="module")
@@ -297,9 +284,6 @@ def test_nccl_tp_greedy_agrees_with_one_rank(size, tmp_path):
     """bench/bench_tp.py's agreement run: TP=size against TP=1, bf16, speculation OFF and ON.
     Sums reordered across ranks can flip a near-tie in bf16, after which greedy text
     diverges, so the bar is a high share, not identity (the CPU test above is exact)."""
-    import subprocess
-    import sys
-
     if torch.cuda.device_count() < size:
         pytest.skip(f"needs {size} GPUs")
     out = tmp_path / "tp.json"
@@ -316,9 +300,6 @@ def test_nccl_tp_greedy_agrees_with_one_rank(size, tmp_path):
 @pytest.mark.slow
 def test_runs_under_torchrun(tmp_path):
     """torchrun starts the ranks: rank 0 serves, gathers rank 1's report, and generates."""
-    import subprocess
-    import sys
-
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from splitspec.v1 import common_pb2 as common
