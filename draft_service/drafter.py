@@ -25,6 +25,7 @@ Nothing here knows about protobuf.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import logging
 import math
@@ -224,6 +225,7 @@ def _draw_weight(rank: int) -> float:
     return 0.6 * 0.4**rank
 
 
+@functools.lru_cache(maxsize=64)  # a pure function of the shape, asked for per sequence per step
 def sampled_topology(shape: TreeShape) -> list[list[int]]:
     """The fixed topology of a sampled tree: children[t] lists the nodes drawn at node t
     (0 = the root), in draw order; nodes are numbered in creation order.
@@ -233,7 +235,7 @@ def sampled_topology(shape: TreeShape) -> list[list[int]]:
     most topk draws per node and at most topk nodes with children per depth
     (the draft's frontier). It depends on the shape alone, so how many children
     a node gets never depends on what was drawn there, which keeps recursive
-    rejection sampling exact.
+    rejection sampling exact. Cached: callers must not modify the lists.
     """
     children: list[list[int]] = [[]]
     weight, depth = [1.0], [0]
