@@ -111,7 +111,8 @@ class _Bucket:
     is_on: bool = True        # the decision
     probe_left: int = 0       # steps left measuring the other mode
     since_probe: int = 0
-    is_clear: bool = False    # the last comparison was far from the margin: probe less often
+    judge_probe: bool = False  # a probe just ended: the next comparison judges it
+    clear_streak: int = 0     # probes in a row that found the mode in use far ahead
 
     def rates(self) -> tuple[float, float]:
         """Tokens per second per sequence with and without speculation (window means); the
@@ -128,17 +129,22 @@ class AdaptivePolicy:
     ``min_samples`` times and the other mode beats the current one by
     ``margin`` (relative) over the last WINDOW steps of each, so noise in the
     per-step acceptance does not make it flap; every ``probe_every`` steps it
-    re-measures the mode not in use for ``probe_steps`` steps, and only every
-    ``clear_factor * probe_every`` steps while the mode in use wins by more than
-    ``clear_factor`` margins (re-measuring a mode that is far behind costs
-    tokens and says little).
+    re-measures the mode not in use for ``probe_steps`` steps. Each probe in a
+    row that finds the mode in use ahead by more than ``clear_factor`` margins
+    doubles that interval, up to ``2**max_doublings`` times (re-measuring a mode
+    that is far behind costs tokens and says little); a closer call or a switch
+    resets it. The mode in use is measured all the time, so a change of
+    workload that makes it worse is seen at once; one that makes the other mode
+    better is seen at its next probe, at most ``probe_every << max_doublings``
+    steps later.
     """
 
     def __init__(self, shape: common_pb2.DraftShape, margin: float = 0.05, min_samples: int = 8,
-                 probe_every: int = 100, probe_steps: int = 8, clear_factor: int = 4) -> None:
+                 probe_every: int = 100, probe_steps: int = 8, clear_factor: int = 4,
+                 max_doublings: int = 4) -> None:
         self.shape = shape
         self.margin = margin
-        self.clear_factor = clear_factor
+        self.clear_factor, self.max_doublings = clear_factor, max_doublings
         self.min_samples, self.probe_every, self.probe_steps = min_samples, probe_every, probe_steps
         self.buckets = {b: _Bucket() for b in BUCKETS}
         self._policy = self._build()
@@ -167,10 +173,11 @@ class AdaptivePolicy:
     def _decide(self, bucket: _Bucket, size: int) -> None:
         if bucket.probe_left:
             bucket.probe_left -= 1
+            bucket.judge_probe = bucket.probe_left == 0
             return
         bucket.since_probe += 1
         other = bucket.off if bucket.is_on else bucket.on
-        interval = self.probe_every * (self.clear_factor if bucket.is_clear else 1)
+        interval = self.probe_every << min(bucket.clear_streak, self.max_doublings)
         if len(other) < self.min_samples or bucket.since_probe >= interval:
             bucket.probe_left = self.probe_steps  # measure the mode not in use
             bucket.since_probe = 0
@@ -178,13 +185,16 @@ class AdaptivePolicy:
         if len(bucket.on) < self.min_samples or len(bucket.off) < self.min_samples:
             return
         on, off = bucket.rates()
-        current, alternative = (on, off) if bucket.is_on else (off, on)
-        bucket.is_clear = current > alternative * (1 + self.clear_factor * self.margin)
+        if bucket.judge_probe:
+            bucket.judge_probe = False
+            current, alternative = (on, off) if bucket.is_on else (off, on)
+            clear = current > alternative * (1 + self.clear_factor * self.margin)
+            bucket.clear_streak = bucket.clear_streak + 1 if clear else 0
         if bucket.is_on and on < off * (1 - self.margin):
-            bucket.is_on = False
+            bucket.is_on, bucket.clear_streak = False, 0
             log.info("batch <= %d: speculation off (%.1f vs %.1f tok/s per sequence)", size, on, off)
         elif not bucket.is_on and on > off * (1 + self.margin):
-            bucket.is_on = True
+            bucket.is_on, bucket.clear_streak = True, 0
             log.info("batch <= %d: speculation on (%.1f vs %.1f tok/s per sequence)", size, on, off)
 
     def _build(self) -> target_pb2.SpecPolicy:

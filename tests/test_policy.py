@@ -94,17 +94,33 @@ def test_adaptive_holds_on_through_noisy_acceptance():
 
 
 def test_adaptive_probes_rarely_when_the_winner_is_clear():
-    """2x apart: OFF is re-measured for 8 steps every 400, not every 100; a close call
-    (within 4 margins) keeps the every-100 rhythm."""
+    """2x apart: each probe that confirms the winner doubles the interval to the next (100,
+    200, ... 1600 steps), so OFF runs under 1 % of the steps; a close call (within 4
+    margins) keeps the every-100 rhythm."""
     clear, close = AdaptivePolicy(DEFAULT), AdaptivePolicy(DEFAULT)
     off_clear = off_close = 0
-    for i in range(2000):
+    probes_clear = []
+    for i in range(6000):
         on = speculates(clear, 1)
         clear.observe(step(1, on, 0.010 if on else 0.005, 3 if on else 0))  # 4 vs 1 token
         off_clear += (not on) and i > 200
+        if not on and clear.buckets[1].probe_left == clear.probe_steps - 1:
+            probes_clear.append(i)
         on = speculates(close, 1)
         close.observe(step(1, on, 0.010 if on else 0.0055, 1 if on else 0))  # 2/10 vs 1/5.5
         off_close += (not on) and i > 200
     assert clear.buckets[1].is_on and close.buckets[1].is_on
-    assert off_clear <= 0.03 * 1800, off_clear
-    assert off_close >= 0.06 * 1800, off_close
+    gaps = [b - a for a, b in zip(probes_clear, probes_clear[1:], strict=False)]
+    assert gaps[-1] > 1600 and all(later >= earlier for earlier, later in zip(gaps, gaps[1:], strict=False)), gaps
+    assert off_clear <= 0.01 * 5800, off_clear
+    assert off_close >= 0.06 * 5800, off_close
+
+
+def test_adaptive_backoff_resets_when_the_call_gets_close():
+    """After the interval has grown, a workload where ON only barely wins brings the
+    every-100 probing back."""
+    policy = AdaptivePolicy(DEFAULT)
+    run(policy, 1, on_s=0.010, off_s=0.005, gain=3, steps=4000)
+    assert policy.buckets[1].clear_streak >= policy.max_doublings
+    run(policy, 1, on_s=0.010, off_s=0.0055, gain=1, steps=4000)
+    assert policy.buckets[1].is_on and policy.buckets[1].clear_streak == 0
