@@ -20,7 +20,11 @@ request:
 A problem with one sequence (unknown, bad features, over the context, out of
 pages) becomes that sequence's ``error`` and the draft forgets the sequence
 (the target resends it from 0); the other sequences are served as usual.
-Nothing here knows about protobuf.
+
+What does not depend on a model (sessions, the checks of each input, release,
+the ``max_running`` limit, draft-side acceptance, the tree-shape cap) lives in
+:class:`BaseDrafter`, which the replay draft (``draft_service/replay.py``)
+shares. Nothing here knows about protobuf.
 """
 
 from __future__ import annotations
@@ -30,9 +34,10 @@ import heapq
 import logging
 import math
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -98,13 +103,19 @@ class DrafterLimits:
     proposal_support: int = 64   # tokens kept in a sampled tree's proposal distributions
 
 
-@dataclass
-class SeqState:
-    table: PageTable                       # logical slot i holds entry i
+@dataclass(kw_only=True)
+class SeqBase:
+    """What every drafter keeps of a sequence."""
+
     num_tokens: int = 0                    # committed tokens seen
-    last_state: torch.Tensor | None = None  # [X] state of the last entry; None = nothing to draft from
     last_tree: Tree | None = None          # the last tree sent, rooted at token num_tokens - 1
     spec: SpecCounters = field(default_factory=SpecCounters)  # how much of each tree was committed
+
+
+@dataclass
+class SeqState(SeqBase):
+    table: PageTable                       # logical slot i holds entry i
+    last_state: torch.Tensor | None = None  # [X] state of the last entry; None = nothing to draft from
 
     @property
     def num_entries(self) -> int:
@@ -113,9 +124,9 @@ class SeqState:
 
 @dataclass
 class Session:
-    """The sequences of one Exchange stream; freed by :meth:`Drafter.close_session`."""
+    """The sequences of one Exchange stream; freed by :meth:`BaseDrafter.close_session`."""
 
-    seqs: dict[int, SeqState] = field(default_factory=dict)
+    seqs: dict[int, Any] = field(default_factory=dict)  # seq_id -> the drafter's SeqBase subclass
 
 
 class _Extend(NamedTuple):
@@ -317,24 +328,26 @@ class _TreeJob(NamedTuple):
     cands: _Candidates
 
 
-class Drafter:
-    """Serves draft requests over one model, one KV cache and one attention backend.
+class BaseDrafter(ABC):
+    """Sessions of sequences, and everything serving them needs besides drafting: the checks
+    of each input, release, the --max-running limit, draft-side acceptance, the shape cap.
 
-    Thread-safe: requests of all sessions are served one at a time.
+    Thread-safe: requests of all sessions are served one at a time. A subclass keeps each
+    sequence as a :class:`SeqBase` subclass (:meth:`_new_state`), gives back what a dropped
+    one held (:meth:`_free`), and catches up and drafts in :meth:`_serve`, where a
+    :class:`SeqError` raised by :meth:`_prepare` becomes that sequence's error.
     """
 
-    def __init__(self, model: DraftModel, cache: KVCache, pool: PagePool, backend: AttentionBackend,
-                 limits: DrafterLimits) -> None:
-        self.model = model
-        self.cache = cache
-        self.pool = pool
-        self.backend = backend
+    def __init__(self, limits: DrafterLimits, vocab_size: int, max_topk: int) -> None:
         self.limits = limits
-        self.device = model.device
+        self.vocab_size = vocab_size  # token ids in [0, vocab_size) are valid
+        self.max_topk = max_topk      # the widest branching a drafted tree may have
         self._num_held = 0
         self._lock = threading.Lock()
         self.stats = SpecCounters()  # over all sequences: how much of each tree was committed next
         self.num_exchanges = 0
+        self.num_trees = 0   # trees drafted since start
+        self.num_misses = 0  # of those, drafted with nothing to draft from (the replay draft's misses)
 
     @property
     def num_held(self) -> int:
@@ -352,18 +365,42 @@ class Drafter:
     def draft(self, session: Session, seqs: list[SeqInput], release_ids: Iterable[int] = ()
               ) -> list[SeqResult]:
         """Release, catch up, draft; one result per input, in order."""
-        with self._lock, torch.inference_mode():
+        with self._lock:
             self.num_exchanges += 1
             for seq_id in release_ids:
                 self._drop(session, seq_id)
             errors: dict[int, str] = {}
-            extends = self._prepare_all(session, seqs, errors)
-            self._extend(extends)
-            trees = self._draft_trees(session, seqs, errors)
+            trees = self._serve(session, seqs, errors)
+            self.num_trees += len(trees)
         return [SeqResult(item.seq_id, trees.get(i, EMPTY_TREE), errors.get(i, ""))
                 for i, item in enumerate(seqs)]
 
-    # ---- catch-up ---------------------------------------------------------------------
+    def capped(self, shape: TreeShape) -> TreeShape:
+        """The shape actually drafted: num_draft_tokens capped at --max-tree-nodes, topk and depth
+        at that budget N (and topk at max_topk). A node is kept only with all its ancestors,
+        so no kept node is deeper than N, and none ranks below its siblings' N-th."""
+        nodes = min(shape.num_draft_tokens, self.limits.max_tree_nodes)
+        topk = min(shape.topk, nodes, self.max_topk)
+        return TreeShape(nodes, topk, min(shape.num_steps, nodes))
+
+    @abstractmethod
+    def _serve(self, session: Session, seqs: list[SeqInput], errors: dict[int, str]
+               ) -> dict[int, Tree]:
+        """Catch every sequence up and draft the trees asked for: the trees by input index; a
+        sequence that cannot be served gets its message in errors[index] instead."""
+
+    @abstractmethod
+    def _prepare(self, session: Session, item: SeqInput) -> Any:
+        """Check one input and bring its sequence up to it (:meth:`_check`, :meth:`_sync`);
+        returns what :meth:`_serve` needs next (None: nothing), SeqError when it cannot."""
+
+    @abstractmethod
+    def _new_state(self) -> SeqBase:
+        """The state of a sequence seen for the first time."""
+
+    @abstractmethod
+    def _free(self, state: SeqBase) -> None:
+        """Give back what a dropped sequence held."""
 
     def _fail(self, session: Session, index: int, seq_id: int, errors: dict[int, str],
               exc: SeqError) -> None:
@@ -373,8 +410,9 @@ class Drafter:
         self._drop(session, seq_id)
 
     def _prepare_all(self, session: Session, seqs: list[SeqInput], errors: dict[int, str]
-                     ) -> list[_Extend]:
-        extends, seen = [], set()
+                     ) -> list[Any]:
+        """:meth:`_prepare` every input, once per sequence; what they return, Nones left out."""
+        prepared, seen = [], set()
         for i, item in enumerate(seqs):
             if item.seq_id in seen:
                 errors[i] = "sequence appears twice in one request"
@@ -382,16 +420,17 @@ class Drafter:
                 continue
             seen.add(item.seq_id)
             try:
-                extend = self._prepare(session, item)
+                out = self._prepare(session, item)
             except SeqError as exc:  # becomes this sequence's error in the reply
                 self._fail(session, i, item.seq_id, errors, exc)
                 continue
-            if extend is not None:
-                extends.append(extend)
-        return extends
+            if out is not None:
+                prepared.append(out)
+        return prepared
 
-    def _prepare(self, session: Session, item: SeqInput) -> _Extend | None:
-        """Validate one input, truncate the state to start and reserve pages for the new entries."""
+    def _check(self, session: Session, item: SeqInput) -> SeqBase | None:
+        """The sequence's state (None: not held yet) when the input can be served; SeqError
+        saying why not otherwise."""
         state = session.seqs.get(item.seq_id)
         if state is None and item.start > 0:
             raise SeqError("unknown sequence, resend from 0")
@@ -402,32 +441,85 @@ class Drafter:
         if end > self.limits.max_context:
             raise SeqError(f"sequence of {end} tokens exceeds the draft's --max-context "
                            f"{self.limits.max_context}")
-        vocab = self.model.vocab_size
-        bad = next((t for t in item.new_tokens if not 0 <= t < vocab), None)
+        bad = next((t for t in item.new_tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise SeqError(f"token id {bad} outside the vocabulary [0, {vocab})")
+            raise SeqError(f"token id {bad} outside the vocabulary [0, {self.vocab_size})")
         shape = item.shape
         if shape.num_draft_tokens > 0 and (shape.topk < 1 or shape.num_steps < 1):
             raise SeqError(f"a tree needs topk >= 1 and num_steps >= 1, got topk {shape.topk} "
                            f"num_steps {shape.num_steps}")
+        return state
+
+    def _sync(self, session: Session, item: SeqInput, state: SeqBase | None) -> SeqBase:
+        """Hold a new sequence (within --max-running), score the last tree against the tokens
+        committed after it, and move the sequence's length to the end of the new tokens."""
+        if state is None:
+            if self._num_held >= self.limits.max_running:
+                raise SeqError(f"the draft already holds --max-running {self.limits.max_running} "
+                               "sequences")
+            state = session.seqs[item.seq_id] = self._new_state()
+            self._num_held += 1
+        if state.last_tree is not None and item.start == state.num_tokens:
+            self._score_tree(state, item.new_tokens)
+        state.last_tree = None
+        state.num_tokens = item.start + len(item.new_tokens)
+        return state
+
+    def _score_tree(self, state: SeqBase, committed: list[int]) -> None:
+        """Count how much of the last tree the target committed next (draft-side acceptance)."""
+        tree = state.last_tree
+        if not tree.num_nodes:
+            return
+        accepted = match_length(tree, committed)
+        depth = max(depths(tree.parents))
+        state.spec.record_verify(tree.num_nodes, depth, accepted)
+        self.stats.record_verify(tree.num_nodes, depth, accepted)
+
+    def _drop(self, session: Session, seq_id: int) -> None:
+        state = session.seqs.pop(seq_id, None)
+        if state is not None:
+            self._free(state)
+            self._num_held -= 1
+
+
+class Drafter(BaseDrafter):
+    """Serves draft requests over one model, one KV cache and one attention backend."""
+
+    def __init__(self, model: DraftModel, cache: KVCache, pool: PagePool, backend: AttentionBackend,
+                 limits: DrafterLimits) -> None:
+        super().__init__(limits, model.vocab_size, model.draft_vocab_size)
+        self.model = model
+        self.cache = cache
+        self.pool = pool
+        self.backend = backend
+        self.device = model.device
+
+    def _new_state(self) -> SeqState:
+        return SeqState(PageTable(self.cache.page_size))
+
+    def _free(self, state: SeqState) -> None:
+        state.table.release(self.pool)
+
+    def _serve(self, session: Session, seqs: list[SeqInput], errors: dict[int, str]
+               ) -> dict[int, Tree]:
+        with torch.inference_mode():
+            self._extend(self._prepare_all(session, seqs, errors))
+            return self._draft_trees(session, seqs, errors)
+
+    # ---- catch-up ---------------------------------------------------------------------
+
+    def _prepare(self, session: Session, item: SeqInput) -> _Extend | None:
+        """Validate one input, truncate the state to start and reserve pages for the new entries."""
+        state = self._check(session, item)
         span = self.model.entries(item.start, item.new_tokens)
         features = None
         if self.model.feature_dim:
             features = decode_features(item.hidden_states, len(span.tokens), self.model.feature_dim,
                                        item.hidden_dim, item.dtype)
-        if state is None:
-            if self._num_held >= self.limits.max_running:
-                raise SeqError(f"the draft already holds --max-running {self.limits.max_running} "
-                               "sequences")
-            state = session.seqs[item.seq_id] = SeqState(PageTable(self.cache.page_size))
-            self._num_held += 1
-        if state.last_tree is not None and item.start == state.num_tokens:
-            self._score_tree(state, item.new_tokens)
-        state.last_tree = None
+        state = self._sync(session, item, state)
         if span.first < state.num_entries:  # rollback: the last entry's state is gone too
             state.last_state = None
         state.table.num_slots = span.first
-        state.num_tokens = end
         try:
             state.table.reserve(self.pool, span.first + len(span.tokens))
         except OutOfPages as exc:
@@ -459,14 +551,6 @@ class Drafter:
             ext.state.last_state = states[row].clone()
 
     # ---- trees ------------------------------------------------------------------------
-
-    def capped(self, shape: TreeShape) -> TreeShape:
-        """The shape actually drafted: num_draft_tokens capped at --max-tree-nodes, topk and depth
-        at that budget N (and topk at the draft vocabulary). A node is kept only with all its
-        ancestors, so no kept node is deeper than N, and none ranks below its siblings' N-th."""
-        nodes = min(shape.num_draft_tokens, self.limits.max_tree_nodes)
-        topk = min(shape.topk, nodes, self.model.draft_vocab_size)
-        return TreeShape(nodes, topk, min(shape.num_steps, nodes))
 
     def _draft_trees(self, session: Session, seqs: list[SeqInput], errors: dict[int, str]
                      ) -> dict[int, Tree]:
@@ -511,16 +595,6 @@ class Drafter:
         if params.seed is None:
             raise SeqError("a sampled tree needs the request's seed in sampling.seed")
         return _SampledCandidates(shape, state.num_entries, params, state.num_tokens)
-
-    def _score_tree(self, state: SeqState, committed: list[int]) -> None:
-        """Count how much of the last tree the target committed next (draft-side acceptance)."""
-        tree = state.last_tree
-        if not tree.num_nodes:
-            return
-        accepted = match_length(tree, committed)
-        depth = max(depths(tree.parents))
-        state.spec.record_verify(tree.num_nodes, depth, accepted)
-        self.stats.record_verify(tree.num_nodes, depth, accepted)
 
     def _next(self, states: torch.Tensor, row_jobs: list[_TreeJob]) -> list[_RowNext]:
         """Per row of states [T, X] (row i a node of row_jobs[i]'s tree): the topk best
@@ -601,9 +675,3 @@ class Drafter:
         keep = -(-table.num_slots // table.page_size)
         self.pool.free(table.pages[keep:])
         del table.pages[keep:]
-
-    def _drop(self, session: Session, seq_id: int) -> None:
-        state = session.seqs.pop(seq_id, None)
-        if state is not None:
-            state.table.release(self.pool)
-            self._num_held -= 1
