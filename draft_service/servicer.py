@@ -1,4 +1,5 @@
-"""The Draft gRPC servicer: protobuf in, :class:`Drafter` call, protobuf out.
+"""The Draft gRPC servicer: protobuf in, drafter call (:class:`BaseDrafter`: a model or the
+replay draft), protobuf out.
 
 Fault injection for tests: ``SPLITSPEC_INJECT_DRAFT_FAULT=malformed_tree``
 makes the servicer corrupt every other tree it sends on a stream (the 1st,
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from draft_service.drafter import Drafter, SeqInput, SeqResult, TreeShape
+from draft_service.drafter import BaseDrafter, SeqInput, SeqResult, TreeShape
 from draft_service.models import DraftSpec
 from splitspec import telemetry
 from splitspec.init_report import InitReport
@@ -83,7 +84,7 @@ def corrupt(tree: draft_pb2.DraftTree, vocab_size: int) -> None:
 class DraftServicer(draft_pb2_grpc.DraftServicer):
     """Each Exchange stream gets its own session; its sequences are freed when it ends."""
 
-    def __init__(self, drafter: Drafter, info: draft_pb2.DraftInfo, report: InitReport,
+    def __init__(self, drafter: BaseDrafter, info: draft_pb2.DraftInfo, report: InitReport,
                  fault: str = "") -> None:
         self.drafter = drafter
         self.info = info
@@ -140,7 +141,9 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                   context: grpc.ServicerContext) -> draft_pb2.DraftStatus:
         return draft_pb2.DraftStatus(sequences=self.drafter.num_held,
                                      exchanges=self.drafter.num_exchanges,
-                                     spec=self.drafter.stats.to_pb())
+                                     spec=self.drafter.stats.to_pb(),
+                                     trees=self.drafter.num_trees,
+                                     replay_misses=self.drafter.num_misses)
 
     def GetInitReport(self, request: common_pb2.GetInitReportRequest,
                       context: grpc.ServicerContext) -> common_pb2.InitReport:

@@ -12,14 +12,18 @@ class GetDraftStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DraftStatus(_message.Message):
-    __slots__ = ("sequences", "exchanges", "spec")
+    __slots__ = ("sequences", "exchanges", "spec", "trees", "replay_misses")
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     EXCHANGES_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_MISSES_FIELD_NUMBER: _ClassVar[int]
     sequences: int
     exchanges: int
     spec: _common_pb2.SpecStats
-    def __init__(self, sequences: _Optional[int] = ..., exchanges: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ...) -> None: ...
+    trees: int
+    replay_misses: int
+    def __init__(self, sequences: _Optional[int] = ..., exchanges: _Optional[int] = ..., spec: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., trees: _Optional[int] = ..., replay_misses: _Optional[int] = ...) -> None: ...
 
 class GetDraftInfoRequest(_message.Message):
     __slots__ = ()
