@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import shutil
 import statistics
 import subprocess
@@ -27,13 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
 from bench_speculation import free_port
 
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
-from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
+from splitspec.grpc_server import wait_for_serving
+from splitspec.replay import serve
 from splitspec.tokenizer import TOKENIZER_FILE, load_tokenizer
-from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from splitspec.v1 import common_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = REPO / "bench" / "results" / "bench_pair_manifest.json"
@@ -67,33 +66,6 @@ class Process:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
-
-
-def serve(address: str, prompts: list[list[int]], max_new: int, mode: int
-          ) -> tuple[list[list[int]], list[target_pb2.StepStats]]:
-    """Greedy continuations of all prompts on one Serve stream, and every step's statistics."""
-    requests: queue.Queue = queue.Queue()
-    for i, ids in enumerate(prompts):
-        requests.put(target_pb2.ServeRequest(admit=target_pb2.Admit(
-            request_id=i, prompt_ids=ids, max_new_tokens=max_new, ignore_eos=True,
-            speculation=mode)))
-    out: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
-    steps: dict[int, target_pb2.StepStats] = {}
-    done = 0
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        call = target_pb2_grpc.TargetStub(channel).Serve(iter(requests.get, None), timeout=900)
-        for event in call:
-            steps.setdefault(event.stats.step, event.stats)
-            for delta in event.deltas:
-                if delta.finish_reason == common_pb2.FINISH_REASON_ERROR:
-                    raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
-                out[delta.request_id].extend(delta.token_ids)
-                done += bool(delta.finish_reason)
-            if done == len(prompts):
-                break
-        call.cancel()
-    requests.put(None)
-    return [out[i] for i in range(len(prompts))], list(steps.values())
 
 
 def agreement(outputs: list[list[int]], reference: list[list[int]]) -> dict[str, float]:
