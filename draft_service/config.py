@@ -5,18 +5,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from draft_service.models import REPLAY
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
 from splitspec.config_args import option
 
-KINDS = ("auto", "eagle3", "standalone")
+KINDS = ("auto", "eagle3", "standalone", REPLAY)
 
 
 @dataclass(frozen=True)
 class DraftConfig:
     model: Path = option(BUILTIN_EAGLE3, "draft checkpoint folder: an EAGLE-3 head or a small "
-                         "Llama causal LM (config.json, *.safetensors)")
+                         "Llama causal LM (config.json, *.safetensors); not used by --kind replay")
     kind: str = option("auto", "draft kind; auto = eagle3 when config.json's architectures is "
-                       "an EAGLE-3 head, else standalone", KINDS)
+                       "an EAGLE-3 head, else standalone; replay = the benchmark draft that "
+                       "replays --replay-file (needs --target-model)", KINDS)
     target_model: str = option("", "target checkpoint folder: gives an EAGLE-3 head without "
                                "embed_tokens its embedding, the target's layer count, and the "
                                "tokenizer fingerprint when the draft folder has no tokenizer.json; "
@@ -38,6 +40,13 @@ class DraftConfig:
                                  "trees for every request")
     proposal_support: int = option(64, "with --sampled-trees: tokens kept in each node's "
                                    "distribution (the most likely ones, renormalised)")
+    replay_file: Path | None = option(None, "--kind replay: the target's recorded greedy "
+                                      "continuations, JSON lines of {\"prompt\": [ids], "
+                                      "\"tokens\": [ids]} (python -m splitspec.replay "
+                                      "records them)")
+    replay_corrupt_rate: float = option(0.0, "--kind replay: chance that a tree node on the "
+                                        "recorded path carries a wrong token instead (0 = "
+                                        "every drafted path is the target's, 1 = none)")
     init_report: Path | None = option(None, "also write the JSON init report to this file")
     log_level: str = option("INFO", "logging level")
 
@@ -73,7 +82,28 @@ class DraftConfig:
                             ("--proposal-support", self.proposal_support)):
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
-        if not Path(self.model).is_dir():
+        if self.kind == REPLAY:
+            self.check_replay()
+        elif self.replay_file is not None:
+            raise ValueError(f"--replay-file is only read by --kind replay, not --kind {self.kind}")
+        elif not Path(self.model).is_dir():
             raise FileNotFoundError(f"--model {self.model} is not a folder")
         if self.target_model and not Path(self.target_model).is_dir():
             raise FileNotFoundError(f"--target-model {self.target_model} is not a folder")
+
+    def check_replay(self) -> None:
+        """The replay draft's flags (it reads no --model)."""
+        if self.replay_file is None:
+            raise ValueError("--kind replay needs --replay-file <records file> (record the "
+                             "target's continuations with python -m splitspec.replay)")
+        if not Path(self.replay_file).is_file():
+            raise FileNotFoundError(f"--replay-file {self.replay_file} is not a file")
+        if not self.target_model:
+            raise ValueError("--kind replay needs --target-model <target checkpoint folder>: it "
+                             "gives the vocabulary and the tokenizer fingerprint")
+        if not 0 <= self.replay_corrupt_rate <= 1:  # NaN fails too
+            raise ValueError(f"--replay-corrupt-rate must be in [0, 1], got "
+                             f"{self.replay_corrupt_rate}")
+        if self.sampled_trees:
+            raise ValueError("--sampled-trees does not apply to --kind replay: its trees are "
+                             "deterministic (drop --sampled-trees)")

@@ -35,6 +35,7 @@ from splitspec.tokenizer import TOKENIZER_FILE, tokenizer_sha256
 
 EAGLE3 = "eagle3"
 STANDALONE = "standalone"
+REPLAY = "replay"  # the benchmark draft of draft_service/replay.py: no model
 TARGET_EMBEDDING = "model.embed_tokens.weight"
 
 
@@ -55,6 +56,7 @@ class DraftSpec:
     aux_layer_inputs: tuple[int, ...]   # () = the default layers
     target_num_layers: int              # 0 when unknown
     tokenizer_sha256: str               # "" when no tokenizer.json was found
+    label: str = ""                     # the name DraftInfo shows; "" = model_dir's name
 
     @property
     def needs_hidden_states(self) -> bool:
@@ -62,7 +64,7 @@ class DraftSpec:
 
     @property
     def name(self) -> str:
-        return self.model_dir.name
+        return self.label or self.model_dir.name
 
 
 def read_spec(model_dir: Path, kind: str, target_dir: Path | None) -> DraftSpec:

@@ -2,12 +2,15 @@
 
 Steps, in order: load_config, load_model, allocate_kv_cache,
 init_attention_backend, capture_cuda_graphs, warmup, start_server. Health
-turns SERVING in __main__ only after all of them.
+turns SERVING in __main__ only after all of them. The replay draft runs the
+same steps (:func:`build_replay`): load_model reads its records, and the steps
+for a model's cache, attention and graphs do nothing.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
@@ -15,6 +18,7 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.drafter import (
+    BaseDrafter,
     Drafter,
     DrafterLimits,
     SeqInput,
@@ -22,13 +26,15 @@ from draft_service.drafter import (
     encode_features,
     sampled_topology,
 )
-from draft_service.models import DraftModel, DraftSpec, load_draft_model, read_spec
+from draft_service.models import REPLAY, DraftModel, DraftSpec, load_draft_model, read_spec
+from draft_service.replay import ReplayBook, ReplayDrafter, read_replay_spec
 from draft_service.servicer import DraftServicer, draft_fault_from_env, draft_info
 from splitspec.attention import AttentionBackend, make_backend
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, Startup
 from splitspec.kv_cache import KVCache, PagePool
 from splitspec.model.loader import parse_dtype
+from splitspec.replay import read_records
 from splitspec.sampling import SamplingParams
 from splitspec.tree import tree_error
 from splitspec.v1 import draft_pb2, draft_pb2_grpc
@@ -43,14 +49,17 @@ GRPC_WORKERS = 16  # each open Exchange stream holds one
 
 
 class Built(NamedTuple):
-    drafter: Drafter
+    drafter: BaseDrafter
     server: ServiceServer
 
 
 def load_config(cfg: DraftConfig) -> Detailed:
     cfg.check()
     parse_dtype(cfg.dtype)
-    spec = read_spec(Path(cfg.model), cfg.kind, cfg.target_dir)
+    if cfg.kind == REPLAY:
+        spec = read_replay_spec(Path(cfg.replay_file), cfg.replay_corrupt_rate, cfg.target_dir)
+    else:
+        spec = read_spec(Path(cfg.model), cfg.kind, cfg.target_dir)
     target = f", target {spec.target_dir.name} ({spec.target_num_layers} layers)" if spec.target_dir else ""
     return Detailed(spec, f"{spec.kind} draft {spec.name}, vocab {spec.vocab_size}{target}")
 
@@ -86,21 +95,22 @@ def capture_cuda_graphs(cfg: DraftConfig) -> Detailed:
     return Detailed(None, "no graphs yet: eager drafting")
 
 
-def warmup_inputs(model: DraftModel, seq_id: int, start: int, tokens: list[int], shape: TreeShape,
+def warmup_inputs(model: DraftModel | None, seq_id: int, start: int, tokens: list[int], shape: TreeShape,
                   generator: torch.Generator, sampling: SamplingParams | None = None) -> SeqInput:
     """A SeqInput for tokens at start, with random target features when the model needs them."""
-    if not model.feature_dim:
+    if model is None or not model.feature_dim:
         return SeqInput(seq_id, start, tokens, shape, sampling=sampling)
     rows = len(model.entries(start, tokens).tokens)
     data, dim, dtype = encode_features(torch.randn(rows, model.feature_dim, generator=generator))
     return SeqInput(seq_id, start, tokens, shape, data, dim, dtype, sampling)
 
 
-def warmup(drafter: Drafter) -> Detailed:
+def warmup(drafter: BaseDrafter) -> Detailed:
     """Catch a fake sequence up in two exchanges, draft a tree and a chain (and a sampled tree
     when sampled trees are on), check them, release."""
-    model, started = drafter.model, time.perf_counter()
-    tokens = [(7 * i + 3) % model.vocab_size for i in range(WARMUP_TOKENS)]
+    model = drafter.model if isinstance(drafter, Drafter) else None
+    started = time.perf_counter()
+    tokens = [(7 * i + 3) % drafter.vocab_size for i in range(WARMUP_TOKENS)]
     generator = torch.Generator().manual_seed(0)
     half = WARMUP_TOKENS // 2
     session = drafter.open_session()
@@ -118,7 +128,7 @@ def warmup(drafter: Drafter) -> Detailed:
                 raise RuntimeError(f"warmup draft failed: {result.error}")
             if shape.num_draft_tokens:
                 want = drafter.capped(shape).num_draft_tokens
-                problem = tree_error(result.tree, model.vocab_size, want)
+                problem = tree_error(result.tree, drafter.vocab_size, want)
                 if sampling is not None:
                     want = len(sampled_topology(drafter.capped(shape))) - 1
                     if not result.tree.proposals:
@@ -136,7 +146,8 @@ def warmup(drafter: Drafter) -> Detailed:
                     f"{time.perf_counter() - started:.2f}s")
 
 
-def start_server(cfg: DraftConfig, spec: DraftSpec, drafter: Drafter, startup: Startup) -> Detailed:
+def start_server(cfg: DraftConfig, spec: DraftSpec, drafter: BaseDrafter, startup: Startup
+                 ) -> Detailed:
     servicer = DraftServicer(drafter, draft_info(spec, cfg.max_context, cfg.sampled_trees), startup.report,
                              draft_fault_from_env())
     name = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
@@ -150,18 +161,49 @@ def start_server(cfg: DraftConfig, spec: DraftSpec, drafter: Drafter, startup: S
 def build(cfg: DraftConfig, startup: Startup) -> Built:
     """Run every step; raises InitFailed at the first that fails."""
     spec = startup.step("load_config", load_config, cfg)
+    if spec.kind == REPLAY:
+        return build_replay(cfg, spec, startup)
     model = startup.step("load_model", load_model, cfg, spec)
     cache, pool = startup.step("allocate_kv_cache", allocate_kv_cache, cfg, model)
     backend: AttentionBackend = startup.step("init_attention_backend", init_attention_backend, cfg)
     startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg)
-    limits = DrafterLimits(cfg.max_running, cfg.max_context, cfg.max_tree_nodes,
-                           cfg.sampled_trees, cfg.proposal_support)
+    limits = drafter_limits(cfg)
+    drafter = startup.step("warmup", built_and_warm, lambda: Drafter(model, cache, pool, backend, limits))
+    server = startup.step("start_server", start_server, cfg, spec, drafter, startup)
+    return Built(drafter, server)
 
-    def build_and_warm() -> Detailed:
-        drafter = Drafter(model, cache, pool, backend, limits)
-        done = warmup(drafter)
-        return Detailed(drafter, done.detail)
 
-    drafter = startup.step("warmup", build_and_warm)
+def drafter_limits(cfg: DraftConfig) -> DrafterLimits:
+    return DrafterLimits(cfg.max_running, cfg.max_context, cfg.max_tree_nodes, cfg.sampled_trees,
+                         cfg.proposal_support)
+
+
+def built_and_warm(make_drafter: Callable[[], BaseDrafter]) -> Detailed:
+    """The warmup step: build the drafter and warm it up."""
+    drafter = make_drafter()
+    return Detailed(drafter, warmup(drafter).detail)
+
+
+def load_records(spec: DraftSpec) -> Detailed:
+    """The replay draft's load_model: its records (ValueError naming the file and line of a
+    broken one)."""
+    book = ReplayBook(read_records(spec.model_dir, spec.vocab_size))
+    num_tokens = sum(len(full) for full in book.full)
+    return Detailed(book, f"{len(book)} records, {num_tokens} tokens from {spec.model_dir}")
+
+
+def no_op(why: str) -> Detailed:
+    return Detailed(None, f"no-op: {why}")
+
+
+def build_replay(cfg: DraftConfig, spec: DraftSpec, startup: Startup) -> Built:
+    """The steps after load_config for the replay draft: the same names as a model's."""
+    book = startup.step("load_model", load_records, spec)
+    startup.step("allocate_kv_cache", no_op, "the replay draft holds no KV cache")
+    startup.step("init_attention_backend", no_op, "the replay draft runs no attention")
+    startup.step("capture_cuda_graphs", no_op, "the replay draft runs no model")
+    limits = drafter_limits(cfg)
+    drafter = startup.step("warmup", built_and_warm, lambda: ReplayDrafter(
+        book, cfg.replay_corrupt_rate, spec.vocab_size, limits))
     server = startup.step("start_server", start_server, cfg, spec, drafter, startup)
     return Built(drafter, server)

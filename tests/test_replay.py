@@ -1,0 +1,388 @@
+"""The replay draft: its trees (shape, the recorded path, the corruption rate, determinism),
+how it follows a sequence's tokens, its records file and flags, and end to end: records made
+through the built-in target with speculation OFF, replayed at corruption 0 and 1."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections import Counter
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2
+
+from draft_service.__main__ import parse_args
+from draft_service.drafter import DrafterLimits, SeqInput, TreeShape
+from draft_service.replay import ReplayBook, ReplayDrafter, replay_topology
+from draft_service.startup import STEPS, build
+from splitspec.builtin import BUILTIN_TARGET
+from splitspec.init_report import InitFailed, Startup, StepState
+from splitspec.model.config import LlamaConfig, read_hf_config
+from splitspec.replay import ReplayRecord, read_records, serve, write_records
+from splitspec.replay import main as replay_main
+from splitspec.tokenizer import load_tokenizer
+from splitspec.tree import depths, match_length, tree_error
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from tests.stack import Service
+
+VOCAB = 1000
+SHAPES = [TreeShape(8, 4, 4), TreeShape(4, 1, 4), TreeShape(8, 1, 4), TreeShape(64, 8, 6),
+          TreeShape(16, 4, 10), TreeShape(10, 2, 3), TreeShape(3, 3, 3), TreeShape(1, 1, 1),
+          TreeShape(100, 5, 5)]
+CHAIN = TreeShape(4, 1, 4)
+NO_TREE = TreeShape(0, 0, 0)
+
+
+def make_records(num: int = 3, length: int = 400, seed: int = 0) -> list[ReplayRecord]:
+    rng = random.Random(seed)
+    return [ReplayRecord([rng.randrange(VOCAB) for _ in range(8)],
+                         [rng.randrange(VOCAB) for _ in range(length)]) for _ in range(num)]
+
+
+def make_drafter(records: list[ReplayRecord], rate: float, max_tree_nodes: int = 64) -> ReplayDrafter:
+    return ReplayDrafter(ReplayBook(records), rate, VOCAB, DrafterLimits(8, 4096, max_tree_nodes))
+
+
+def draft_at(drafter: ReplayDrafter, tokens: list[int], shape: TreeShape, seq_id: int = 1):
+    """The tree for a sequence of these committed tokens (sent whole, as a new sequence)."""
+    session = drafter.open_session()
+    (result,) = drafter.draft(session, [SeqInput(seq_id, 0, tokens, shape)])
+    drafter.close_session(session)
+    assert not result.error, result.error
+    return result.tree
+
+
+def path_nodes(tree) -> list[int]:
+    """Tree indices of the main path: the first node at each depth."""
+    first = {}
+    for index, d in enumerate(depths(tree.parents)[1:], start=1):
+        first.setdefault(d, index)
+    return [first[d] for d in sorted(first)]
+
+
+# ---- trees ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rate", [0.0, 0.5, 1.0])
+def test_trees_are_valid_and_as_large_as_the_model_drafters(rate):
+    """Every shape: a valid tree, depth <= D, at most K children per node and K nodes with
+    children per depth, distinct siblings, and min(N, K + (D-1) K^2) nodes (what EAGLE-2
+    drafting gives) after the --max-tree-nodes cap."""
+    rec = make_records(1)[0]
+    drafter = make_drafter([rec], rate, max_tree_nodes=32)
+    for shape in SHAPES:
+        capped = drafter.capped(shape)
+        n, k, d = capped.num_draft_tokens, capped.topk, capped.num_steps
+        tree = draft_at(drafter, rec.full[:20], shape)
+        assert tree_error(tree, VOCAB, n) is None, shape
+        assert tree.num_nodes == min(n, k + (d - 1) * k * k), shape
+        node_depths = depths(tree.parents)
+        assert max(node_depths) == min(d, n), shape  # the main path reaches full depth
+        children = tree.children()
+        assert all(len(kids) <= k for kids in children.values()), shape
+        for kids in children.values():
+            tokens = [tree.tokens[c - 1] for c in kids]
+            assert len(set(tokens)) == len(tokens), (shape, tokens)
+        expanded = Counter(node_depths[p] for p in children)
+        assert all(count <= k for count in expanded.values()), shape
+
+
+def test_no_corruption_drafts_the_recorded_path_and_only_it():
+    rec = make_records(1)[0]
+    drafter = make_drafter([rec], 0.0)
+    for shape in SHAPES:
+        for n in (8, 9, 57, 200):
+            tree = draft_at(drafter, rec.full[:n], shape)
+            truth = rec.full[n:n + 16]
+            length = min(shape.num_steps, shape.num_draft_tokens, 64)
+            assert match_length(tree, truth) == length, (shape, n)
+            node_depths = depths(tree.parents)
+            on_truth = [i for i, t in enumerate(tree.tokens, start=1) if t == truth[node_depths[i] - 1]]
+            assert on_truth == path_nodes(tree)[:length], (shape, n)
+
+
+def test_full_corruption_never_drafts_the_true_token():
+    rec = make_records(1, length=600)[0]
+    drafter = make_drafter([rec], 1.0)
+    for n in range(8, 600):
+        tree = draft_at(drafter, rec.full[:n], TreeShape(8, 4, 4))
+        truth = rec.full[n:n + 4]
+        node_depths = depths(tree.parents)
+        assert all(t != truth[node_depths[i] - 1] for i, t in enumerate(tree.tokens, start=1)
+                   if node_depths[i] <= len(truth)), n
+        assert match_length(tree, truth) == 0
+
+
+def test_acceptance_matches_the_corruption_rate():
+    """Depth-1 acceptance over many positions is binomial with p = 1 - R, and a chain's
+    accepted length has mean sum_{k=1..D} (1-R)^k (4 standard deviations; a corruption drawn
+    once per record, or at the wrong rate, fails)."""
+    rate, steps = 0.3, 4
+    records = make_records(4, length=1000)
+    drafter = make_drafter(records, rate)
+    accepted = []
+    for rec in records:
+        for n in range(8, len(rec.full) - steps):
+            tree = draft_at(drafter, rec.full[:n], TreeShape(steps, 1, steps))
+            accepted.append(match_length(tree, rec.full[n:n + steps]))
+    m, p = len(accepted), 1 - rate
+    first = sum(a >= 1 for a in accepted)
+    assert abs(first / m - p) <= 4 * math.sqrt(p * (1 - p) / m), first / m
+    # Accepted length X: P(X >= k) = p^k for k <= steps.
+    probs = [p**k * (1 - p) for k in range(steps)] + [p**steps]
+    mean = sum(k * q for k, q in enumerate(probs))
+    var = sum((k - mean) ** 2 * q for k, q in enumerate(probs))
+    assert mean == pytest.approx(sum(p**k for k in range(1, steps + 1)))
+    assert abs(sum(accepted) / m - mean) <= 4 * math.sqrt(var / m), (sum(accepted) / m, mean)
+
+
+def test_trees_are_deterministic():
+    records = make_records(2)
+    inputs = [SeqInput(1, 0, records[0].full[:30], TreeShape(8, 4, 4)),
+              SeqInput(2, 0, records[1].full[:50], TreeShape(16, 4, 5)),
+              SeqInput(3, 0, [5, 6, 7, 8], TreeShape(8, 4, 4))]  # a miss
+    runs = []
+    for _ in range(2):
+        drafter = make_drafter(records, 0.5)
+        runs.append([r.tree for r in drafter.draft(drafter.open_session(), inputs)])
+    assert runs[0] == runs[1]
+    assert runs[0][0] != runs[0][2]
+
+
+def test_topology_depends_on_the_shape_alone():
+    assert replay_topology(TreeShape(8, 4, 4)) is replay_topology(TreeShape(8, 4, 4))
+    assert [(n.parent, n.depth, n.on_path) for n in replay_topology(TreeShape(8, 4, 4))] == [
+        (0, 1, True), (0, 1, False), (0, 1, False), (0, 1, False),
+        (1, 2, True), (1, 2, False), (5, 3, True), (7, 4, True)]
+
+
+# ---- following a sequence -------------------------------------------------------------------
+
+def test_truncate_then_append_follows_the_record_again():
+    rec = make_records(1)[0]
+    drafter = make_drafter([rec], 0.0)
+    session = drafter.open_session()
+
+    def step(start, new, shape=CHAIN):
+        (result,) = drafter.draft(session, [SeqInput(1, start, new, shape)])
+        return result
+
+    full = rec.full
+    assert step(0, full[:10]).tree.tokens == full[10:14]
+    assert step(10, full[10:13]).tree.tokens == full[13:17]  # appended
+    wrong = (full[13] + 1) % VOCAB
+    misses = drafter.num_misses
+    miss = step(13, [wrong])  # leaves the record
+    assert miss.tree.num_nodes == 4 and drafter.num_misses == misses + 1
+    assert match_length(miss.tree, full[14:18]) == 0
+    assert step(12, full[12:15]).tree.tokens == full[15:19]  # rolled back onto the record
+    assert drafter.num_misses == misses + 1
+    assert step(5, []).tree.tokens == full[5:9]  # truncated, nothing appended
+    assert step(5, full[5:7], NO_TREE).tree.num_nodes == 0
+    assert "past the 7 tokens" in step(9, [1]).error  # start past what is held
+    assert drafter.num_held == 0  # ... and the sequence was forgotten
+    assert "unknown sequence" in step(3, [1]).error
+
+
+def test_off_record_sequences_get_wrong_tokens_and_count_misses():
+    records = make_records(2, length=30)
+    drafter = make_drafter(records, 0.0)
+    session = drafter.open_session()
+    full = records[0].full
+    past_end = full + [7]
+    inputs = [SeqInput(1, 0, full[:20], TreeShape(8, 4, 4)),        # follows
+              SeqInput(2, 0, [3, 1, 4, 1, 5], TreeShape(8, 4, 4)),  # no record begins so
+              SeqInput(3, 0, full, TreeShape(8, 4, 4)),             # at the record's end
+              SeqInput(4, 0, past_end, TreeShape(8, 4, 4))]         # past it
+    results = drafter.draft(session, inputs)
+    assert [r.error for r in results] == [""] * 4
+    assert [r.tree.num_nodes for r in results] == [8] * 4  # a miss costs the target the same
+    assert drafter.num_misses == 3
+    assert match_length(results[0].tree, full[20:24]) == 4
+    # The stats the draft keeps of its trees: the next exchange commits the path.
+    drafter.draft(session, [SeqInput(1, 20, full[20:25], NO_TREE)])
+    assert drafter.stats.accepted == 4 and drafter.stats.verify_steps == 1
+
+
+def test_near_the_end_the_known_depths_carry_the_record():
+    rec = make_records(1, length=30)[0]
+    drafter = make_drafter([rec], 0.0)
+    n = len(rec.full) - 2
+    tree = draft_at(drafter, rec.full[:n], CHAIN)
+    assert tree.tokens[:2] == rec.full[n:] and tree.num_nodes == 4
+    assert drafter.num_misses == 0
+
+
+def test_the_longest_record_a_sequence_begins_is_followed():
+    short = ReplayRecord([1, 2, 3], [4, 5])
+    long = ReplayRecord([1, 2, 3], [4, 5, 6, 7, 8, 9])
+    other = ReplayRecord([1, 2, 9], [9, 9])
+    book = ReplayBook([short, other, long])
+    assert book.find([1, 2, 3, 4]) == 2
+    assert book.find([1, 2, 9]) == 1
+    assert book.find([1, 2]) == 2
+    assert book.find([1, 3]) is None
+    assert book.find([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]) is None
+
+
+# ---- records and flags ----------------------------------------------------------------------
+
+def test_records_round_trip_and_broken_files_name_the_line(tmp_path):
+    path = tmp_path / "records.jsonl"
+    records = make_records(2, length=5)
+    write_records(path, records)
+    assert read_records(path, VOCAB) == records
+    broken = {
+        "": "holds no records",
+        "\n\n": "holds no records",
+        '{"prompt": [1], "tokens": [2]}\n{"prompt": [1], "tokens": [2]\n': "line 2: not JSON",
+        '{"prompt": [1]}\n': 'line 1: expected an object with "prompt" and "tokens"',
+        '{"prompt": [1], "tokens": [2]}\n\n{"prompt": [1], "tokens": [1000]}\n':
+            'line 3: "tokens" holds 1000, not a token id in [0, 1000)',
+        '{"prompt": [], "tokens": [2]}\n': 'line 1: "prompt" must be a non-empty list',
+        '{"prompt": [1], "tokens": [true]}\n': 'line 1: "tokens" holds True',
+        "[1, 2]\n": "line 1: expected an object",
+    }
+    for text, message in broken.items():
+        path.write_text(text)
+        with pytest.raises(ValueError, match="records.jsonl") as caught:
+            read_records(path, VOCAB)
+        assert message in str(caught.value), (text, str(caught.value))
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ([], "--kind replay needs --replay-file"),
+    (["--replay-file", "nowhere.jsonl"], "--replay-file nowhere.jsonl is not a file"),
+    (["--replay-file", "{records}", "--target-model", ""], "needs --target-model"),
+    (["--replay-file", "{records}", "--replay-corrupt-rate", "1.5"], "must be in [0, 1], got 1.5"),
+    (["--replay-file", "{records}", "--replay-corrupt-rate", "nan"], "must be in [0, 1], got nan"),
+    (["--replay-file", "{records}", "--sampled-trees"], "--sampled-trees does not apply"),
+])
+def test_bad_replay_flags_fail_load_config(flags, message, tmp_path):
+    records = tmp_path / "records.jsonl"
+    write_records(records, make_records(1))
+    args = ["--kind", "replay", "--target-model", str(BUILTIN_TARGET)]
+    cfg = parse_args(args + [f.format(records=records) for f in flags])
+    with pytest.raises(InitFailed) as caught:
+        build(cfg, Startup("draft", STEPS))
+    step = caught.value.report.failed_step
+    assert step.name == "load_config" and message in step.error_message, step.error_message
+
+
+def test_replay_file_without_kind_replay_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="only read by --kind replay"):
+        parse_args(["--replay-file", str(tmp_path / "x.jsonl")]).check()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("", "holds no records"),
+    ('{"prompt": [1, 2], "tokens": [3]}\nnot json\n', "line 2: not JSON"),
+])
+def test_broken_records_fail_load_model(text, message, tmp_path):
+    records = tmp_path / "records.jsonl"
+    records.write_text(text)
+    cfg = parse_args(["--kind", "replay", "--replay-file", str(records),
+                      "--target-model", str(BUILTIN_TARGET)])
+    startup = Startup("draft", STEPS)
+    with pytest.raises(InitFailed):
+        build(cfg, startup)
+    states = {s.name: s.state for s in startup.report.steps}
+    assert states["load_config"] is StepState.OK
+    step = startup.report.failed_step
+    assert step.name == "load_model", step
+    assert str(records) in step.error_message and message in step.error_message
+
+
+# ---- end to end -----------------------------------------------------------------------------
+
+NEW_TOKENS = 24
+TEXTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n"]
+TARGET_CHAIN = ["--num-draft-tokens", "4", "--topk", "1", "--num-steps", "4"]
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """Continuations of the built-in target with speculation OFF, recorded by the command line
+    from prompts given as text and as token ids."""
+    logs = tmp_path_factory.mktemp("replay")
+    tokenizer = load_tokenizer(BUILTIN_TARGET)
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    prompts_file = logs / "prompts.jsonl"
+    prompts_file.write_text(f"{json.dumps(TEXTS[0])}\n{json.dumps(TEXTS[1])}\n\n{prompts[2]}\n")
+    path = logs / "records.jsonl"
+    target = Service("target_service", [], logs).wait_serving()
+    try:
+        assert replay_main(["--target", target.address, "--prompts", str(prompts_file),
+                            "--tokenizer", str(BUILTIN_TARGET), "--max-new-tokens", str(NEW_TOKENS),
+                            "--out", str(path)]) == 0
+    finally:
+        target.stop()
+    vocab = LlamaConfig.from_hf(read_hf_config(BUILTIN_TARGET)).vocab_size
+    records = read_records(path, vocab)
+    assert [r.prompt for r in records] == prompts
+    assert all(len(r.tokens) == NEW_TOKENS for r in records)
+    return path, records, logs
+
+
+def draft_status(address: str) -> draft_pb2.DraftStatus:
+    with grpc.insecure_channel(address) as channel:
+        return draft_pb2_grpc.DraftStub(channel).GetStatus(draft_pb2.GetDraftStatusRequest(),
+                                                           timeout=10)
+
+
+@pytest.mark.slow
+def test_replayed_generation_is_exact_at_the_chosen_acceptance(recorded):
+    path, records, logs = recorded
+    drafts = {rate: Service("draft_service", [
+        "--kind", "replay", "--replay-file", str(path), "--replay-corrupt-rate", rate,
+        "--target-model", str(BUILTIN_TARGET)], logs) for rate in ("0", "1")}
+    services = list(drafts.values())
+    try:
+        for draft in drafts.values():
+            draft.wait_serving()
+        targets = {rate: Service("target_service", ["--draft", draft.address, *TARGET_CHAIN], logs)
+                   for rate, draft in drafts.items()}
+        services += targets.values()
+        for target in targets.values():
+            target.wait_serving()
+        prompts = [r.prompt for r in records]
+        for rate, target in targets.items():
+            with grpc.insecure_channel(target.address) as channel:
+                info = target_pb2_grpc.TargetStub(channel).GetInfo(target_pb2.GetTargetInfoRequest(),
+                                                                 timeout=10)
+            assert info.draft_model_name == f"replay(records.jsonl, corrupt {float(rate):.2f})"
+            before = draft_status(drafts[rate].address)
+            outputs, steps = serve(target.address, prompts, NEW_TOKENS, common_pb2.SPECULATION_MODE_ON)
+            after = draft_status(drafts[rate].address)
+            assert outputs == [r.tokens for r in records], f"corrupt {rate}: output differs from OFF"
+            drafted = sum(s.drafted_tokens for s in steps)
+            accepted = sum(s.accepted_tokens for s in steps)
+            assert drafted > 0
+            assert after.trees > before.trees
+            assert after.replay_misses == before.replay_misses, "a recorded sequence left its record"
+            if rate == "0":
+                # Every verify step accepts the whole chain of 4, but a request's last one
+                # (fewer tokens left than the chain is long) may lose up to 3.
+                assert accepted >= drafted - 3 * len(records), (accepted, drafted)
+            else:
+                assert accepted == 0, (accepted, drafted)
+    finally:
+        for service in services:
+            service.stop()
+
+
+@pytest.mark.slow
+def test_malformed_records_fail_the_draft_process_at_load_model(tmp_path):
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"prompt": [1, 2], "tokens": [3]}\n{"prompt": [1, 2], "tokens": "x"}\n')
+    report = tmp_path / "report.json"
+    service = Service("draft_service", ["--kind", "replay", "--replay-file", str(records),
+                                        "--target-model", str(BUILTIN_TARGET),
+                                        "--init-report", str(report)], tmp_path)
+    code, seen = service.wait_exit(timeout_s=60)
+    assert code != 0 and health_pb2.HealthCheckResponse.SERVING not in seen
+    failed = [s for s in json.loads(report.read_text())["steps"] if s["state"] == "FAILED"]
+    assert [s["name"] for s in failed] == ["load_model"]
+    assert f"{records} line 2" in failed[0]["error_message"]
+    assert '"tokens" must be a non-empty list of token ids' in failed[0]["error_message"]
