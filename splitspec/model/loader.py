@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -37,10 +38,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_tensors(model_dir: Path, desc: str, plan: dict[str, Shard] | None = None
-                 ) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint; with a shard plan only each tensor's slice is read."""
-    tensors: dict[str, torch.Tensor] = {}
+def iter_tensors(model_dir: Path, desc: str, plan: dict[str, Shard] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, one at a time; with a shard plan only each tensor's
+    slice is read."""
     files = safetensors_files(model_dir)
     plan = plan or {}
     for path in tqdm(files, desc=desc, unit="file", disable=len(files) < 2):
@@ -48,29 +49,44 @@ def read_tensors(model_dir: Path, desc: str, plan: dict[str, Shard] | None = Non
             for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 shard = plan.get(name, WHOLE)
                 if shard.dim is None:
-                    tensors[name] = f.get_tensor(name)
+                    yield name, f.get_tensor(name)
                 else:
                     part = f.get_slice(name)
                     index = [slice(None)] * len(part.get_shape())
                     index[shard.dim] = slice(shard.start, shard.stop)
-                    tensors[name] = part[tuple(index)]
-    return tensors
+                    yield name, part[tuple(index)]
 
 
-def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], model_dir: Path,
-               optional: set[str]) -> None:
-    expected = module.state_dict()
-    missing = sorted(set(expected) - set(tensors) - optional)
-    unexpected = sorted(set(tensors) - set(expected))
+def _empty(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+    """Storage for a module built on the meta device, already in its final dtype and place,
+    so a checkpoint is copied into it tensor by tensor (no full copy in host memory)."""
+    return module.to(dtype=dtype).to_empty(device=device)
+
+
+def _load_into(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], model_dir: Path,
+               optional: set[str]) -> set[str]:
+    """Copy each (name, tensor) into the module's tensor of that name (casting, and moving
+    to its device); returns the names loaded. ValueError when the checkpoint does not fit."""
+    expected = module.state_dict()  # detached views of the module's own storage
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    with torch.no_grad():
+        for name, value in tensors:
+            if name not in expected:
+                unexpected.append(name)
+                continue
+            if tuple(value.shape) != tuple(expected[name].shape):
+                raise ValueError(f"{model_dir}: tensor {name} has shape {tuple(value.shape)}, "
+                                 f"the config implies {tuple(expected[name].shape)}")
+            expected[name].copy_(value)
+            loaded.add(name)
+    missing = sorted(set(expected) - loaded - optional)
     if missing or unexpected:
+        unexpected.sort()
         raise ValueError(f"checkpoint {model_dir} does not fit the model: "
                          f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                          f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}")
-    for name, value in tensors.items():
-        if tuple(value.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{model_dir}: tensor {name} has shape {tuple(value.shape)}, "
-                             f"the config implies {tuple(expected[name].shape)}")
-    module.load_state_dict(tensors, strict=False)
+    return loaded
 
 
 def load_llama(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
@@ -79,13 +95,12 @@ def load_llama(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
     cfg = LlamaConfig.from_hf(read_hf_config(model_dir))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
-    model = model.to_empty(device="cpu")
+    model = _empty(model, dtype, device)
     where = f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
-    tensors = read_tensors(model_dir, f"loading {Path(model_dir).name}{where}",
-                           shard_plan(cfg, tp))
+    tensors = iter_tensors(model_dir, f"loading {Path(model_dir).name}{where}", shard_plan(cfg, tp))
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-    _load_into(model, tensors, model_dir, optional)
-    if "lm_head.weight" not in tensors:
+    loaded = _load_into(model, tensors, model_dir, optional)
+    if "lm_head.weight" not in loaded:
         model.lm_head.weight = model.model.embed_tokens.weight
     return _finish(model, dtype, device)
 
@@ -96,18 +111,23 @@ def load_eagle3(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
     cfg = Eagle3Config.from_hf(read_hf_config(model_dir))
     with torch.device("meta"):
         head = Eagle3Head(cfg)
-    head = head.to_empty(device="cpu")
-    tensors = read_tensors(model_dir, f"loading {Path(model_dir).name}")
-    tensors = {k.replace("layers.0.", "midlayer.", 1) if k.startswith("layers.0.") else k: v
-               for k, v in tensors.items()}
-    if "embed_tokens.weight" not in tensors:
-        if target_embedding is None:
-            raise ValueError(f"{model_dir} has no embed_tokens.weight: pass the target checkpoint "
-                             "(--target-model) so the head can use the target's embedding")
-        tensors["embed_tokens.weight"] = target_embedding
-    optional = {"d2t", "t2d"}
-    _load_into(head, tensors, model_dir, optional)
-    if "d2t" not in tensors:  # draft vocabulary == target vocabulary
+    head = _empty(head, dtype, device)
+
+    def renamed() -> Iterator[tuple[str, torch.Tensor]]:
+        has_embedding = False
+        for name, value in iter_tensors(model_dir, f"loading {Path(model_dir).name}"):
+            has_embedding |= name == "embed_tokens.weight"
+            yield (name.replace("layers.0.", "midlayer.", 1) if name.startswith("layers.0.")
+                   else name), value
+        if not has_embedding:
+            if target_embedding is None:
+                raise ValueError(f"{model_dir} has no embed_tokens.weight: pass the target "
+                                 "checkpoint (--target-model) so the head can use the target's "
+                                 "embedding")
+            yield "embed_tokens.weight", target_embedding
+
+    loaded = _load_into(head, renamed(), model_dir, optional={"d2t", "t2d"})
+    if "d2t" not in loaded:  # draft vocabulary == target vocabulary
         head.d2t.zero_()
         head.t2d.fill_(True)
     return _finish(head, dtype, device)
