@@ -38,12 +38,10 @@ class SeqAttention:
 
 @dataclass
 class AttentionMetadata:
-    """Per-pass state built by :meth:`AttentionBackend.plan`, reused by every layer."""
+    """Per-pass state built by :meth:`AttentionBackend.plan`, reused by every layer; each
+    backend adds its own fields."""
 
     write_slots: torch.Tensor        # [T] global slots of the new tokens, in query order
-    qo_indptr: list[int]             # query token range of sequence i: [qo_indptr[i], qo_indptr[i+1])
-    read_slots: list[torch.Tensor]   # per sequence: [kv_len] global slots, logical order
-    masks: list[torch.Tensor]        # per sequence: [q_len, kv_len] bool
 
 
 class AttentionBackend(ABC):

@@ -5,14 +5,23 @@ Used on CPU and by the tests as the oracle for faster backends.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAttention, causal_mask
 from splitspec.kv_cache import KVCache
 
 
+@dataclass
+class TorchMetadata(AttentionMetadata):
+    qo_indptr: list[int] = field(default_factory=list)  # sequence i's queries: [qo_indptr[i], qo_indptr[i+1])
+    read_slots: list[torch.Tensor] = field(default_factory=list)  # per sequence: [kv_len] global slots
+    masks: list[torch.Tensor] = field(default_factory=list)       # per sequence: [q_len, kv_len] bool
+
+
 class TorchAttentionBackend(AttentionBackend):
-    def plan(self, seqs: list[SeqAttention], device: torch.device | str) -> AttentionMetadata:
+    def plan(self, seqs: list[SeqAttention], device: torch.device | str) -> TorchMetadata:
         write, read, masks, indptr = [], [], [], [0]
         for seq in seqs:
             if not 0 < seq.q_len <= seq.kv_len:
@@ -27,10 +36,10 @@ class TorchAttentionBackend(AttentionBackend):
                     raise ValueError(f"mask shape {tuple(seq.mask.shape)} != ({seq.q_len}, {seq.kv_len})")
                 masks.append(seq.mask.to(device=device, dtype=torch.bool))
             indptr.append(indptr[-1] + seq.q_len)
-        return AttentionMetadata(torch.cat(write), indptr, read, masks)
+        return TorchMetadata(torch.cat(write), indptr, read, masks)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+                meta: TorchMetadata, cache: KVCache) -> torch.Tensor:
         cache.write(layer, meta.write_slots, k, v)
         num_heads, head_dim = q.shape[1], q.shape[2]
         group = num_heads // k.shape[1]
