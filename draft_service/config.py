@@ -28,6 +28,9 @@ class DraftConfig:
     port: int = option(50053, "gRPC port")
     dtype: str = option("float32", "weights and activations dtype", ("float32", "bfloat16", "float16"))
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    attention_backend: str = option("auto", "attention backend; auto = flashinfer on CUDA in "
+                                    "bfloat16/float16 when it is installed, else torch",
+                                    ("auto", "torch", "flashinfer"))
     max_running: int = option(64, "sequences held at once (over all streams); sizes the KV cache")
     max_context: int = option(1024, "longest sequence (committed tokens) the draft holds")
     page_size: int = option(16, "KV-cache page size in tokens")

@@ -106,6 +106,7 @@ class DraftModel(ABC):
     draft_vocab_size: int  # logits width (EAGLE-3 heads may draft from a smaller vocabulary)
     feature_dim: int       # width of one row of target features; 0 = none needed
     num_layers: int        # KV-cache layers
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
@@ -152,6 +153,7 @@ class StandaloneDraft(DraftModel):
         self.model = self.module = model
         self.vocab_size = self.draft_vocab_size = cfg.vocab_size
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads = cfg.num_heads
         self.dtype = model.lm_head.weight.dtype
         self.device = model.lm_head.weight.device
 
@@ -187,6 +189,7 @@ class Eagle3Draft(DraftModel):
         self.draft_vocab_size = cfg.draft_vocab_size
         self.feature_dim = 3 * cfg.target_hidden_size
         self.num_kv_heads, self.head_dim = cfg.layer.num_kv_heads, cfg.layer.head_dim
+        self.num_heads = cfg.layer.num_heads
         self.dtype = head.fc.weight.dtype
         self.device = head.fc.weight.device
 

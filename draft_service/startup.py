@@ -29,7 +29,13 @@ from draft_service.drafter import (
 from draft_service.models import REPLAY, DraftModel, DraftSpec, load_draft_model, read_spec
 from draft_service.replay import ReplayBook, ReplayDrafter, read_replay_spec
 from draft_service.servicer import DraftServicer, draft_fault_from_env, draft_info
-from splitspec.attention import AttentionBackend, make_backend
+from splitspec.attention import (
+    AttentionBackend,
+    AttentionShape,
+    FlashInferBackend,
+    choose_backend,
+    make_backend,
+)
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, Startup
 from splitspec.kv_cache import KVCache, PagePool
@@ -85,8 +91,15 @@ def allocate_kv_cache(cfg: DraftConfig, model: DraftModel) -> Detailed:
                     f"{num_pages} pages of {cfg.page_size} ({need / 2**20:.1f} MiB)")
 
 
-def init_attention_backend(cfg: DraftConfig) -> Detailed:
-    return Detailed(make_backend("torch"), "torch")
+def init_attention_backend(cfg: DraftConfig, model: DraftModel) -> Detailed:
+    shape = AttentionShape(model.num_heads, model.num_kv_heads, model.head_dim, cfg.page_size,
+                           model.dtype)
+    name, why = choose_backend(cfg.attention_backend, cfg.device, model.dtype)
+    backend = make_backend(name, shape, cfg.device)
+    ready = ""
+    if isinstance(backend, FlashInferBackend):
+        ready = f"; kernels ready in {backend.compile_kernels(masked=True):.1f}s"
+    return Detailed(backend, f"{name} ({why}){ready}")
 
 
 def capture_cuda_graphs(cfg: DraftConfig) -> Detailed:
@@ -165,7 +178,7 @@ def build(cfg: DraftConfig, startup: Startup) -> Built:
         return build_replay(cfg, spec, startup)
     model = startup.step("load_model", load_model, cfg, spec)
     cache, pool = startup.step("allocate_kv_cache", allocate_kv_cache, cfg, model)
-    backend: AttentionBackend = startup.step("init_attention_backend", init_attention_backend, cfg)
+    backend: AttentionBackend = startup.step("init_attention_backend", init_attention_backend, cfg, model)
     startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg)
     limits = drafter_limits(cfg)
     drafter = startup.step("warmup", built_and_warm, lambda: Drafter(model, cache, pool, backend, limits))

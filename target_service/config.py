@@ -21,7 +21,11 @@ class TargetConfig:
                      "under torchrun the world size")
     dist_timeout_s: float = option(600.0, "timeout of the ranks' collectives (a dead rank is "
                                    "noticed by rank 0's watcher long before)")
-    attention_backend: str = option("torch", "attention backend", ("torch",))
+    attention_backend: str = option("auto", "attention backend; auto = flashinfer on CUDA in "
+                                    "bfloat16/float16 when it is installed, else torch",
+                                    ("auto", "torch", "flashinfer"))
+    cuda_graphs: bool = option(True, "capture CUDA graphs of plain decode steps for batch "
+                               "sizes up to --max-running (CUDA with the flashinfer backend)")
     max_running: int = option(32, "sequences decoded at once")
     max_context: int = option(1024, "prompt + generated tokens per sequence")
     page_size: int = option(16, "KV-cache page size in tokens")

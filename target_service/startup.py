@@ -25,7 +25,14 @@ import torch
 import torch.distributed as dist
 
 from splitspec import telemetry
-from splitspec.attention import AttentionBackend, make_backend
+from splitspec.attention import (
+    AttentionBackend,
+    AttentionShape,
+    FlashInferBackend,
+    choose_backend,
+    make_backend,
+)
+from splitspec.cuda_graphs import DecodeGraphs, buckets_up_to
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, InitFailed, InitReport, Startup, fail_startup
 from splitspec.kv_cache import KVCache, PagePool
@@ -151,14 +158,51 @@ def allocate_kv_cache(cfg: TargetConfig, model_cfg: LlamaConfig, tp: TP, device:
                     f"{kv_heads} KV heads ({need / 2**20:.1f} MiB)")
 
 
-def init_attention_backend(cfg: TargetConfig) -> Detailed:
-    return Detailed(make_backend(cfg.attention_backend), cfg.attention_backend)
+def attention_shape(cfg: TargetConfig, model_cfg: LlamaConfig, tp: TPGroup) -> AttentionShape:
+    """This rank's heads and the cache's pages, as the attention backend plans them."""
+    heads, kv_heads = model_cfg.num_heads, model_cfg.num_kv_heads
+    if tp.size > 1:
+        lay = layout(model_cfg, tp)
+        heads, kv_heads = lay.heads, lay.kv_heads
+    return AttentionShape(heads, kv_heads, model_cfg.head_dim, cfg.page_size, parse_dtype(cfg.dtype))
 
 
-def capture_cuda_graphs(cfg: TargetConfig, device: str) -> Detailed:
+def init_attention_backend(cfg: TargetConfig, shape: AttentionShape, device: str) -> Detailed:
+    """The backend, with its kernels compiled (tree masks only where a draft sends trees)."""
+    name, why = choose_backend(cfg.attention_backend, device, shape.dtype)
+    backend = make_backend(name, shape, device)
+    ready = ""
+    if isinstance(backend, FlashInferBackend):
+        ready = f"; kernels ready in {backend.compile_kernels(masked=bool(cfg.draft)):.1f}s"
+    return Detailed(backend, f"{name} ({why}){ready}")
+
+
+def default_capture(num_layers: int) -> tuple[int, ...]:
+    """The target layer inputs an EAGLE-3 head reads unless it names others: low, mid, high."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
+                        shape: AttentionShape, num_layers: int) -> Detailed:
+    """Decode graphs for every batch-size bucket up to --max-running, without captured
+    features and (with a draft) with the default EAGLE-3 ones; the runner replays them."""
+    device = str(runner.device)
     if not device.startswith("cuda"):
         return Detailed(None, f"no-op on {device}")
-    return Detailed(None, "no graphs yet: eager decode (CUDA graphs come with the GPU engine)")
+    if not cfg.cuda_graphs:
+        return Detailed(None, "off (--no-cuda-graphs): eager decode")
+    if not isinstance(runner.backend, FlashInferBackend):
+        return Detailed(None, "none: graphs need the flashinfer backend; eager decode")
+    (scratch,) = pool.allocate(1)  # the padding rows' page; every rank takes the same one
+    per_seq = -(-(cfg.max_context + cfg.max_tree_nodes + 1) // cfg.page_size)
+    graphs = DecodeGraphs(runner.model, runner.cache, shape, scratch, per_seq, device)
+    variants = ((), default_capture(num_layers)) if cfg.draft else ((),)
+    buckets = buckets_up_to(cfg.max_running)
+    seconds = graphs.capture(buckets, variants)
+    runner.graphs = graphs
+    features = " and with the default EAGLE-3 features" if cfg.draft else ""
+    return Detailed(graphs, f"decode graphs for batch sizes {', '.join(map(str, buckets))}"
+                    f"{features} in {seconds:.1f}s")
 
 
 def connect_draft(cfg: TargetConfig, spec: ModelSpec) -> Detailed:
@@ -171,8 +215,7 @@ def connect_draft(cfg: TargetConfig, spec: ModelSpec) -> Detailed:
                          f"{cfg.model.name}: " + "; ".join(problems))
     capture: tuple[int, ...] = ()
     if info.needs_hidden_states:
-        n = spec.config.num_layers
-        capture = tuple(info.aux_layer_inputs) or (2, n // 2, n - 3)
+        capture = tuple(info.aux_layer_inputs) or default_capture(spec.config.num_layers)
     draft = Draft(link, capture, link.init_report())
     return Detailed(draft, f"{info.kind} draft {info.model_name}, capture layer inputs {capture}")
 
@@ -274,11 +317,14 @@ def build_rank(cfg: TargetConfig, startup: Startup, where: Placement) -> RankPar
     model: LlamaForCausalLM = startup.step("load_model", load_model, cfg, tp.group, device)
     cache, pool = startup.step("allocate_kv_cache", allocate_kv_cache, cfg, spec.config, tp,
                                device)
-    backend: AttentionBackend = startup.step("init_attention_backend", init_attention_backend, cfg)
-    startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg, device)
+    shape = attention_shape(cfg, spec.config, tp.group)
+    backend: AttentionBackend = startup.step("init_attention_backend", init_attention_backend, cfg,
+                                             shape, device)
     # Rank 0 of several announces every call; the other ranks run what it announces.
     runner = (TPRunner(model, cache, backend, device, tp.control)
               if where.size > 1 and where.rank == 0 else ModelRunner(model, cache, backend, device))
+    startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg, runner, pool, shape,
+                 spec.config.num_layers)
     return RankParts(spec, tp, runner, pool)
 
 
