@@ -48,6 +48,7 @@ class Process:
     """A service process on a free port; stopped on exit."""
 
     def __init__(self, module: str, args: list[str], log: Path) -> None:
+        self.module = module
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self._log = log.open("w")
@@ -55,7 +56,11 @@ class Process:
                                      cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT)
 
     def __enter__(self) -> Process:
-        wait_for_serving(self.address, 900, "service").close()
+        try:
+            wait_for_serving(self.address, 900, self.module, lambda: self.proc.poll() is None).close()
+        except (RuntimeError, TimeoutError):
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -149,10 +149,12 @@ class ServiceServer:
         self.server.stop(grace_s).wait()
 
 
-def wait_for_serving(address: str, timeout_s: float, what: str) -> grpc.Channel:
+def wait_for_serving(address: str, timeout_s: float, what: str,
+                     alive: Callable[[], bool] | None = None) -> grpc.Channel:
     """Open a channel to address and wait until its health says SERVING.
 
-    Raises TimeoutError naming ``what`` and the last status seen.
+    Raises TimeoutError naming ``what`` and the last status seen, or RuntimeError as
+    soon as ``alive`` (the serving process's liveness, when given) returns False.
     """
     import time
 
@@ -161,6 +163,9 @@ def wait_for_serving(address: str, timeout_s: float, what: str) -> grpc.Channel:
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            channel.close()
+            raise RuntimeError(f"{what} at {address} exited before it was SERVING (last: {last})")
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
         except grpc.RpcError as exc:  # not up yet: keep waiting, remember why
