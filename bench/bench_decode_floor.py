@@ -1,22 +1,23 @@
 """Plain decode at batch 1 on a Llama-3.1-8B-shaped target with RANDOM weights, against the
 weight-read floor (W bytes / 4.5 TB/s on an H200, ../shared/GPU.md).
 
-Builds the random checkpoint on the GPU (bf16), starts the target service on it
-without a draft, decodes --new-tokens tokens from one prompt and reports the
-median decode step (target StepStats) beside the floor.
+Builds the random checkpoint on the GPU (bf16), then for each --variants entry
+starts the target service on it without a draft (timing start-up to SERVING
+and reading its init report), decodes --new-tokens tokens from one prompt
+--repeats + 1 times (the first run warms up) and reports the median decode
+step (target StepStats) beside the floor. "graphs" is the default engine
+(flashinfer attention, CUDA graphs of decode); "eager" the same without graphs.
+Results with random weights are labelled as such: speed does not depend on
+the weights' values.
 
-    python bench/bench_decode_floor.py --out-json /tmp/floor.json
-
-Not yet run to the end: on 2026-11-30 (one H200) the checkpoint was written in
-34 s, but the target was not SERVING within the 7.5 minutes left of the call
-(the loader reads all 16 GB into host memory before moving it; the GPU engine
-issue should load to the device directly and time start-up).
+    python bench/bench_decode_floor.py --out-json /tmp/floor.json --log-dir /tmp/floor-logs
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -24,11 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 from bench_tp import Process, serve
 
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.tokenizer import TOKENIZER_FILE
-from splitspec.v1 import common_pb2
+from splitspec.v1 import common_pb2, target_pb2_grpc
 
 LLAMA_31_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -58,33 +60,84 @@ def random_checkpoint(folder: Path) -> int:
     return count
 
 
+VARIANTS = {"graphs": [], "eager": ["--no-cuda-graphs"], "torch": ["--attention-backend", "torch",
+                                                                  "--no-cuda-graphs"]}
+
+
+def run_variant(model: Path, name: str, args: argparse.Namespace) -> dict:
+    """Start the target with one engine variant; its start-up, init steps and decode steps."""
+    started = time.perf_counter()
+    with Process("target_service", ["--model", str(model), "--device", args.device, "--dtype",
+                                    args.dtype, "--max-running", "4", "--max-context", "1024",
+                                    *VARIANTS[name]], args.log_dir / f"target-{name}.log") as target:
+        serving_s = time.perf_counter() - started
+        with grpc.insecure_channel(target.address) as channel:
+            report = target_pb2_grpc.TargetStub(channel).GetInitReport(
+                common_pb2.GetInitReportRequest())
+        steps = {step.name: {"s": round(step.duration_s, 2), "detail": step.detail}
+                 for step in report.steps}
+        runs, forwards = [], []
+        for _ in range(args.repeats + 1):  # the first run warms up
+            _, stats = serve(target.address, [list(range(10, 74))], args.new_tokens,
+                             common_pb2.SPECULATION_MODE_OFF)
+            decode = [s for s in stats if s.prefill_tokens == 0 and s.batch_size == 1]
+            runs.append(1000 * statistics.median(s.total_s for s in decode))
+            forwards.append(1000 * statistics.median(s.forward_s for s in decode))
+    result = {"serving_s": serving_s, "init_steps": steps, "step_ms": statistics.median(runs[1:]),
+              "forward_ms": statistics.median(forwards[1:]), "runs_ms": runs[1:]}
+    print(f"{name}: SERVING after {serving_s:.1f} s; decode step {result['step_ms']:.2f} ms "
+          f"(forward {result['forward_ms']:.2f} ms)", flush=True)
+    return result
+
+
+def checkpoint_parameters(model: Path) -> int:
+    """Parameters of a checkpoint folder, from its safetensors headers."""
+    from safetensors import safe_open
+
+    from splitspec.model.loader import safetensors_files
+
+    count = 0
+    for path in safetensors_files(model):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                count += math.prod(f.get_slice(name).get_shape())
+    return count
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default="graphs,eager",
+                        help=f"comma-separated engine variants: {', '.join(VARIANTS)}")
+    parser.add_argument("--log-dir", type=Path, help="where the target logs go (default: a "
+                        "temporary folder)")
     parser.add_argument("--out-json", type=Path)
+    parser.add_argument("--model", type=Path, help="time this checkpoint instead of a random "
+                        "8B one (for example on CPU, to try the script)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="decode_floor_"))
+    args.log_dir = args.log_dir or work
+    args.log_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    params = random_checkpoint(work / "llama-8b-random")
+    model = args.model or work / "llama-8b-random"
+    params = checkpoint_parameters(model) if args.model else random_checkpoint(model)
     floor_ms = 1000 * 2 * params / (BANDWIDTH_TB_S * 1e12)
-    print(f"random 8B checkpoint: {params / 1e9:.2f} B parameters, written in "
+    print(f"{model.name}: {params / 1e9:.2f} B parameters, ready in "
           f"{time.perf_counter() - started:.0f} s; floor {floor_ms:.2f} ms", flush=True)
-    runs = []
-    with Process("target_service", ["--model", str(work / "llama-8b-random"), "--device", "cuda",
-                                    "--dtype", "bfloat16", "--max-running", "4",
-                                    "--max-context", "1024"], work / "target.log") as target:
-        for _ in range(args.repeats + 1):  # the first run warms up
-            _, steps = serve(target.address, [list(range(10, 74))], args.new_tokens,
-                             common_pb2.SPECULATION_MODE_OFF)
-            decode = [s for s in steps if s.prefill_tokens == 0 and s.batch_size == 1]
-            runs.append(1000 * statistics.median(s.total_s for s in decode))
-    step_ms = statistics.median(runs[1:])
-    result = {"parameters": params, "floor_ms": floor_ms, "step_ms": step_ms, "runs_ms": runs[1:],
-              "share_of_floor_speed": floor_ms / step_ms, "command": " ".join(sys.argv)}
+    label = f"{model.name} ({args.dtype})" if args.model else "Llama-3.1-8B shape, RANDOM bf16 weights"
+    result: dict = {"label": label, "parameters": params,
+                    "floor_ms": floor_ms, "command": " ".join(sys.argv), "variants": {}}
+    for name in args.variants.split(","):
+        found = run_variant(model, name, args)
+        found["share_of_floor_speed"] = floor_ms / found["step_ms"]
+        result["variants"][name] = found
+        if args.out_json:  # partial results survive a later variant's failure
+            args.out_json.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
-    if args.out_json:
-        args.out_json.write_text(json.dumps(result, indent=1))
+    shutil.rmtree(work / "llama-8b-random", ignore_errors=True)
     return 0
 
 
