@@ -1,5 +1,5 @@
-"""bench/bench_decode_floor.py runs end to end on CPU (the H200 run is the real one): it
-starts the target, reads its init report, times decode steps and writes its JSON."""
+"""The GPU issue's benchmark scripts run end to end on CPU (the H200 runs are the real ones),
+so that scarce GPU time is not lost to a script's bug."""
 
 from __future__ import annotations
 
@@ -28,3 +28,17 @@ def test_decode_floor_bench_runs_on_cpu(tmp_path):
     assert result["parameters"] > 1e6 and result["label"].startswith("target")
     assert run["init_steps"]["init_attention_backend"]["detail"].startswith("torch")
     assert 0 < run["forward_ms"] <= run["step_ms"] and run["serving_s"] > 0
+
+
+@pytest.mark.slow
+def test_step_costs_bench_runs_on_cpu(tmp_path):
+    """bench_step_costs at the built-in shape: decode, verify and draft timings and ratios."""
+    out = tmp_path / "costs.json"
+    subprocess.run([sys.executable, "bench/bench_step_costs.py", "--shape", "builtin", "--device",
+                    "cpu", "--dtype", "float32", "--iters", "3", "--warmup", "1", "--context", "32",
+                    "--out-json", str(out)], cwd=REPO, check=True, timeout=300, capture_output=True)
+    result = json.loads(out.read_text())
+    assert len(result["target"]["decode_ms"]) == 3 and len(result["draft"]["draft_ms"]) == 3
+    assert result["target"]["backend"] == "torch" and not result["target"]["graphs"]
+    summary = result["summary"]
+    assert summary["verify_over_decode"] > 0 and summary["draft_over_decode"] > 0

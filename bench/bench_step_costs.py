@@ -1,0 +1,219 @@
+"""What one step's parts cost at batch 1, in process: plain decode, verifying a tree, drafting.
+
+On a Llama-3.1-8B-shaped target with RANDOM bf16 weights (built on the device,
+no checkpoint; speed does not depend on the values) and a random EAGLE-3 head
+of that target's shape (one layer, draft vocabulary 32000), after a prompt of
+--context tokens:
+
+- decode: the target's plain decode step as the engine calls it
+  (ModelRunner.forward: planning, copies, the CUDA graph or the eager pass,
+  logits), against the weight-read floor (W bytes / 4.5 TB/s, ../shared/GPU.md);
+- verify: the same call for the root plus an --tree-nodes tree (tree mask);
+- draft: the draft's Drafter.draft for one sequence: catch up one token (with
+  its features) and draft a tree of --tree-nodes nodes, topk --topk, depth
+  --depth, as the draft service does for every step.
+
+Each figure is the median wall time of --iters calls after --warmup calls, the
+device synchronised after each. The issue's aims: verify <= 1.2 x decode,
+draft <= 0.25 x decode.
+
+    python bench/bench_step_costs.py --out-json /tmp/costs.json           # H200
+    python bench/bench_step_costs.py --shape builtin --device cpu --dtype float32 --iters 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from bench_decode_floor import BANDWIDTH_TB_S, LLAMA_31_8B
+
+from draft_service.drafter import Drafter, DrafterLimits, TreeShape
+from draft_service.models import Eagle3Draft
+from draft_service.startup import warmup_inputs
+from splitspec.attention import AttentionShape, SeqAttention, choose_backend, make_backend
+from splitspec.attention.flashinfer_backend import FlashInferBackend
+from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
+from splitspec.cuda_graphs import DecodeGraphs
+from splitspec.kv_cache import KVCache, PagePool, PageTable
+from splitspec.model.config import Eagle3Config, LlamaConfig, read_hf_config
+from splitspec.model.eagle3 import Eagle3Head
+from splitspec.model.layers import Rotary, rope_inv_freq
+from splitspec.model.llama import LlamaForCausalLM
+from splitspec.model.loader import parse_dtype
+from splitspec.tree import positions, verify_mask
+from target_service.runner import ForwardBatch, ModelRunner
+
+PAGE = 16
+EAGLE3_FOR_8B = {**LLAMA_31_8B, "architectures": ["LlamaForCausalLMEagle3"],
+                 "num_hidden_layers": 1, "draft_vocab_size": 32000, "target_hidden_size": 4096}
+TREE_PARENTS = {8: [0, 0, 0, 0, 1, 1, 5, 7]}  # 4 children of the root, a branch of depth 4
+
+
+def random_module(module: torch.nn.Module, dtype: torch.dtype, device: str) -> torch.nn.Module:
+    """Random weights (normal, std 0.02; norms 1) in place, on the device, in dtype."""
+    module = module.to(dtype=dtype).to_empty(device=device)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02)
+    for sub in module.modules():
+        if isinstance(sub, Rotary):
+            cfg = module.config.layer if isinstance(module.config, Eagle3Config) else module.config
+            sub.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
+    return module.eval()
+
+
+def configs(shape: str) -> tuple[dict, dict]:
+    if shape == "8b":
+        return LLAMA_31_8B, EAGLE3_FOR_8B
+    return read_hf_config(BUILTIN_TARGET), read_hf_config(BUILTIN_EAGLE3)
+
+
+def timed(fn: Callable[[], object], warmup: int, iters: int, device: str) -> list[float]:
+    """Wall milliseconds of each of iters calls (after warmup calls), synchronised."""
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(1000 * (time.perf_counter() - start))
+    return times
+
+
+def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    model = random_module(model, dtype, args.device)
+    pages = 4 * -(-(args.context + 64) // PAGE)
+    cache = KVCache(cfg.num_layers, pages, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, args.device)
+    pool = PagePool(pages)
+    shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, PAGE, dtype)
+    name, _ = choose_backend(args.attention_backend, args.device, dtype)
+    backend = make_backend(name, shape, args.device)
+    runner = ModelRunner(model, cache, backend, args.device)
+    if isinstance(backend, FlashInferBackend):
+        backend.compile_kernels(masked=True)
+        if args.graphs:
+            (scratch,) = pool.allocate(1)
+            runner.graphs = DecodeGraphs(model, cache, shape, scratch, pages, args.device)
+            runner.graphs.capture((1,), ((),))
+    table = PageTable(PAGE)
+    table.reserve(pool, args.context + 1 + args.tree_nodes)
+    prompt = torch.randint(0, cfg.vocab_size, (args.context,))
+    runner.forward(ForwardBatch(prompt, torch.arange(args.context),
+                                [SeqAttention(table, args.context, args.context)], [args.context - 1]))
+    n = args.context
+    decode = ForwardBatch(torch.tensor([7]), torch.tensor([n]), [SeqAttention(table, n + 1, 1)], [0])
+    parents = TREE_PARENTS.get(args.tree_nodes) or [0] * args.tree_nodes
+    nodes = len(parents)
+    verify = ForwardBatch(torch.randint(0, cfg.vocab_size, (nodes + 1,)), positions(parents, n),
+                          [SeqAttention(table, n + 1 + nodes, nodes + 1, verify_mask(parents, n))],
+                          list(range(nodes + 1)))
+    params = sum(p.numel() for p in model.parameters())
+    result = {"parameters": params, "backend": name,
+              "graphs": runner.graphs is not None,
+              "floor_ms": 1000 * params * torch.empty((), dtype=dtype).element_size()
+              / (BANDWIDTH_TB_S * 1e12)}
+    for key, batch in (("decode", decode), ("verify", verify)):
+        result[f"{key}_ms"] = timed(lambda b=batch: runner.forward(b), args.warmup, args.iters,
+                                    args.device)
+        print(f"target {key}: median {statistics.median(result[f'{key}_ms']):.3f} ms", flush=True)
+    return result
+
+
+def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
+                dtype: torch.dtype) -> dict:
+    with torch.device("meta"):
+        head = Eagle3Head(cfg)
+    head = random_module(head, dtype, args.device)
+    head.d2t.zero_()
+    head.t2d.fill_(True)
+    model = Eagle3Draft(head)
+    layer = cfg.layer
+    pages = 2 * -(-(args.context + args.iters + args.warmup + 128) // PAGE)
+    cache = KVCache(1, pages, PAGE, layer.num_kv_heads, layer.head_dim, dtype, args.device)
+    shape = AttentionShape(layer.num_heads, layer.num_kv_heads, layer.head_dim, PAGE, dtype)
+    name, _ = choose_backend(args.attention_backend, args.device, dtype)
+    backend = make_backend(name, shape, args.device)
+    if isinstance(backend, FlashInferBackend):
+        backend.compile_kernels(masked=True)
+    limits = DrafterLimits(max_running=4, max_context=args.context + args.iters + args.warmup + 64,
+                           max_tree_nodes=64)
+    drafter = Drafter(model, cache, PagePool(pages), backend, limits)
+    session = drafter.open_session()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, layer.vocab_size, (args.context,), generator=generator).tolist()
+    tree = TreeShape(args.tree_nodes, args.topk, args.depth)
+    drafter.draft(session, [warmup_inputs(model, 1, 0, tokens, TreeShape(0, 0, 0), generator)])
+    where = [len(tokens)]
+
+    def step() -> None:  # one more committed token (with its features), then a tree
+        item = warmup_inputs(model, 1, where[0], [where[0] % layer.vocab_size], tree, generator)
+        (result,) = drafter.draft(session, [item])
+        if result.error or result.tree.num_nodes != args.tree_nodes:
+            raise RuntimeError(f"drafting failed: {result.error or result.tree}")
+        where[0] += 1
+
+    times = timed(step, args.warmup, args.iters, args.device)
+    print(f"draft tree ({args.tree_nodes}/{args.topk}/{args.depth}): median "
+          f"{statistics.median(times):.3f} ms", flush=True)
+    return {"backend": name, "draft_ms": times, "target_layers": target_layers}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=["8b", "builtin"], default="8b",
+                        help="8b: Llama-3.1-8B shape; builtin: the built-in pair's shape")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--context", type=int, default=512, help="tokens before the timed steps")
+    parser.add_argument("--tree-nodes", type=int, default=8)
+    parser.add_argument("--topk", type=int, default=4)
+    parser.add_argument("--depth", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--out-json", type=Path)
+    args = parser.parse_args()
+    dtype = parse_dtype(args.dtype)
+    target_hf, eagle_hf = configs(args.shape)
+    target_cfg = LlamaConfig.from_hf(target_hf)
+    with torch.inference_mode():
+        result = {"command": " ".join(sys.argv), "label": f"{args.shape} shape, RANDOM weights",
+                  "device": torch.cuda.get_device_name() if args.device.startswith("cuda")
+                  else args.device, "context": args.context,
+                  "tree": [args.tree_nodes, args.topk, args.depth],
+                  "target": target_costs(target_cfg, args, dtype)}
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        result["draft"] = draft_costs(Eagle3Config.from_hf(eagle_hf), target_cfg.num_layers, args,
+                                      dtype)
+    decode = statistics.median(result["target"]["decode_ms"])
+    result["summary"] = {
+        "decode_ms": decode, "floor_ms": result["target"]["floor_ms"],
+        "share_of_floor_speed": result["target"]["floor_ms"] / decode,
+        "verify_over_decode": statistics.median(result["target"]["verify_ms"]) / decode,
+        "draft_over_decode": statistics.median(result["draft"]["draft_ms"]) / decode}
+    print(json.dumps(result["summary"], indent=1))
+    if args.out_json:
+        args.out_json.parent.mkdir(parents=True, exist_ok=True)
+        args.out_json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
