@@ -9,6 +9,7 @@ of that target's shape (one layer, draft vocabulary 32000), after a prompt of
   (ModelRunner.forward: planning, copies, the CUDA graph or the eager pass,
   logits), against the weight-read floor (W bytes / 4.5 TB/s, ../shared/GPU.md);
 - verify: the same call for the root plus an --tree-nodes tree (tree mask);
+- with graphs (flashinfer), both calls again without them (``*_eager_ms``);
 - draft: the draft's Drafter.draft for one sequence: catch up one token (with
   its features) and draft a tree of --tree-nodes nodes, topk --topk, depth
   --depth, as the draft service does for every step.
@@ -40,7 +41,7 @@ from draft_service.startup import warmup_inputs
 from splitspec.attention import AttentionShape, SeqAttention, choose_backend, make_backend
 from splitspec.attention.flashinfer_backend import FlashInferBackend
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
-from splitspec.cuda_graphs import DecodeGraphs
+from splitspec.cuda_graphs import StepGraphs
 from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.config import Eagle3Config, LlamaConfig, read_hf_config
 from splitspec.model.eagle3 import Eagle3Head
@@ -104,12 +105,13 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
     name, _ = choose_backend(args.attention_backend, args.device, dtype)
     backend = make_backend(name, shape, args.device)
     runner = ModelRunner(model, cache, backend, args.device)
+    graphs = None
     if isinstance(backend, FlashInferBackend):
         backend.compile_kernels(masked=True)
         if args.graphs:
-            (scratch,) = pool.allocate(1)
-            runner.graphs = DecodeGraphs(model, cache, shape, scratch, pages, args.device)
-            runner.graphs.capture((1,), ((),))
+            scratch = pool.allocate(-(-(args.tree_nodes + 1) // PAGE))
+            graphs = StepGraphs(model, cache, shape, scratch, args.context + 64, args.device)
+            graphs.capture((1,), (1, args.tree_nodes + 1), ((),))
     table = PageTable(PAGE)
     table.reserve(pool, args.context + 1 + args.tree_nodes)
     prompt = torch.randint(0, cfg.vocab_size, (args.context,))
@@ -123,14 +125,18 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
                           [SeqAttention(table, n + 1 + nodes, nodes + 1, verify_mask(parents, n))],
                           list(range(nodes + 1)))
     params = sum(p.numel() for p in model.parameters())
-    result = {"parameters": params, "backend": name,
-              "graphs": runner.graphs is not None,
+    result = {"parameters": params, "backend": name, "graphs": graphs is not None,
               "floor_ms": 1000 * params * torch.empty((), dtype=dtype).element_size()
               / (BANDWIDTH_TB_S * 1e12)}
-    for key, batch in (("decode", decode), ("verify", verify)):
-        result[f"{key}_ms"] = timed(lambda b=batch: runner.forward(b), args.warmup, args.iters,
+    # With graphs, the eager calls too (suffix _eager), interleaved in one run.
+    for engine in (("", graphs), ("_eager", None)) if graphs is not None else (("", None),):
+        suffix, runner.graphs = engine
+        for key, batch in (("decode", decode), ("verify", verify)):
+            name_ms = f"{key}{suffix}_ms"
+            result[name_ms] = timed(lambda b=batch: runner.forward(b), args.warmup, args.iters,
                                     args.device)
-        print(f"target {key}: median {statistics.median(result[f'{key}_ms']):.3f} ms", flush=True)
+            print(f"target {key}{suffix}: median {statistics.median(result[name_ms]):.3f} ms",
+                  flush=True)
     return result
 
 

@@ -1,17 +1,21 @@
-"""CUDA graphs of the target's plain decode step, one per batch-size bucket.
+"""CUDA graphs of the target's decode and verify steps, one per batch-size bucket.
 
-A plain decode step (every sequence brings one token, causal, logits for
-every token) is the same sequence of kernels at every step of a given batch
-size, so it is captured once per bucket during the ``capture_cuda_graphs``
-init step and replayed. A batch of n sequences runs the graph of the smallest
-bucket >= n; the rows beyond n are padding: token 0 at position 0, writing its
-K/V to a scratch page no sequence owns and attending to that page alone.
-Batches larger than the largest bucket, prompts and trees run eagerly.
+A step in which every sequence brings the same number q of tokens and wants
+the logits of all of them is the same sequence of kernels at every step of a
+given batch size: plain decode (q = 1, causal) and tree verification (q =
+nodes + 1, a tree mask). Such steps are captured once per (bucket, q,
+captured features) during the ``capture_cuda_graphs`` init step and replayed.
+A batch of n sequences runs the graph of the smallest bucket >= n; the rows
+beyond n are padding: token 0 at position 0 on scratch pages no sequence
+owns, attending to those pages alone. Prompts, mixed batches, trees of other
+sizes and batches larger than the largest bucket run eagerly.
 
 Before each replay only host work happens outside the graph: the inputs are
-copied into the graph's static buffers and flashinfer's decode wrapper (built
-in CUDA-graph mode, with buffers of its own) is planned for the real pages.
-The outputs are the graph's static buffers, cloned before they are returned.
+copied into the graph's static buffers, and its flashinfer wrapper (built in
+CUDA-graph mode with buffers of its own: the decode kernel for q = 1, the FA2
+prefill kernel with a custom mask for trees) is planned for the real pages and
+masks. The outputs are the graph's static buffers, cloned before they are
+returned.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,6 +32,8 @@ from splitspec.attention.flashinfer_backend import (
     AttentionShape,
     FlashInferMetadata,
     PagedLayout,
+    PlannedAttention,
+    flat_mask,
     import_flashinfer,
 )
 from splitspec.kv_cache import KVCache, PageTable
@@ -37,6 +43,7 @@ from splitspec.model.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+WORKSPACE_BYTES = 128 << 20
 
 
 def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
@@ -45,90 +52,145 @@ def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) ->
     return (*chosen, max_batch) if max_batch <= buckets[-1] else buckets
 
 
+class GraphKey(NamedTuple):
+    size: int                  # the bucket: padded batch size
+    q_len: int                 # tokens per sequence: 1 = decode, nodes + 1 = a tree
+    capture: tuple[int, ...]   # captured layer inputs (features for the draft)
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    wrapper: Any                 # flashinfer decode wrapper in CUDA-graph mode
-    ids: torch.Tensor            # [b] static inputs
+    wrapper: Any                 # flashinfer wrapper in CUDA-graph mode, planned before replay
+    ids: torch.Tensor            # [b * q] static inputs
     positions: torch.Tensor
     write_slots: torch.Tensor
-    logits: torch.Tensor         # [b, V] static outputs
-    aux: torch.Tensor | None     # [b, k * H]
+    logits: torch.Tensor         # [b * q, V] static outputs
+    aux: torch.Tensor | None     # [b * q, k * H]
 
 
-class DecodeGraphs:
-    """The captured decode graphs of one model, for every bucket and capture variant."""
+class StepGraphs:
+    """The captured step graphs of one model (one rank's shard)."""
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, shape: AttentionShape,
-                 scratch_page: int, max_pages_per_seq: int, device: torch.device | str) -> None:
+                 scratch_pages: list[int], max_kv_len: int, device: torch.device | str) -> None:
+        """``scratch_pages`` hold the padding rows (enough for the largest q);
+        ``max_kv_len`` bounds every sequence's kv_len (sizes the page and mask buffers)."""
         self.model, self.cache, self.shape = model, cache, shape
-        self.scratch_page, self.max_pages_per_seq = scratch_page, max_pages_per_seq
+        self.scratch_pages, self.max_kv_len = scratch_pages, max_kv_len
         self.device = device
-        self.workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, tuple[int, ...]], _Graph] = {}
+        self.graphs: dict[GraphKey, _Graph] = {}
         self.buckets: tuple[int, ...] = ()
 
-    def capture(self, buckets: tuple[int, ...], variants: tuple[tuple[int, ...], ...]) -> float:
+    def capture(self, buckets: tuple[int, ...], q_lens: tuple[int, ...],
+                variants: tuple[tuple[int, ...], ...]) -> float:
         """Capture every bucket (largest first, so the smaller reuse its memory) for every
-        capture variant (the layer inputs a draft may ask for); returns the seconds taken."""
+        q (1 = decode; n + 1 = a tree of n nodes) and capture variant (the layer inputs a
+        draft may ask for); returns the seconds taken."""
+        room = len(self.scratch_pages) * self.shape.page_size
+        if max(q_lens) > room:
+            raise ValueError(f"q={max(q_lens)} needs more than the {room} scratch slots")
         started = time.perf_counter()
         for capture in variants:
-            for size in sorted(buckets, reverse=True):
-                self.graphs[size, capture] = self._capture(size, capture)
+            for q_len in q_lens:
+                for size in sorted(buckets, reverse=True):
+                    key = GraphKey(size, q_len, capture)
+                    self.graphs[key] = self._capture(size, q_len, capture)
         self.buckets = tuple(sorted(buckets))
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
 
-    def bucket_for(self, seqs: list[SeqAttention], capture: tuple[int, ...]) -> int | None:
-        """The bucket that runs this batch as a graph, or None (eager)."""
-        if not self.buckets or len(seqs) > self.buckets[-1]:
+    def key_for(self, seqs: list[SeqAttention], logit_rows: list[int],
+                capture: tuple[int, ...]) -> GraphKey | None:
+        """The graph that runs this pass, or None (eager)."""
+        if not seqs or not self.buckets or len(seqs) > self.buckets[-1]:
             return None
-        if any(seq.q_len != 1 or seq.mask is not None for seq in seqs):
+        q_len = seqs[0].q_len
+        if any(seq.q_len != q_len for seq in seqs):
+            return None
+        # decode: causal, no mask; verify: every sequence a tree mask (a prompt is causal).
+        if any((seq.mask is None) != (q_len == 1) for seq in seqs):
+            return None
+        if logit_rows != list(range(q_len * len(seqs))):
             return None
         size = next(b for b in self.buckets if b >= len(seqs))
-        return size if (size, capture) in self.graphs else None
+        key = GraphKey(size, q_len, capture)
+        return key if key in self.graphs else None
 
-    def run(self, size: int, ids: torch.Tensor, positions: torch.Tensor, seqs: list[SeqAttention],
-            capture: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay the bucket's graph for these sequences: (logits [n, V], aux [n, k * H] or None)."""
-        g = self.graphs[size, capture]
-        n = len(seqs)
-        layout = PagedLayout.of([*seqs, *self._padding(size - n)], self.shape.page_size)
-        self._plan(g.wrapper, layout)
-        g.ids[:n].copy_(ids, non_blocking=True)
-        g.ids[n:].zero_()
-        g.positions[:n].copy_(positions, non_blocking=True)
-        g.positions[n:].zero_()
+    def run(self, key: GraphKey, ids: torch.Tensor, positions: torch.Tensor,
+            seqs: list[SeqAttention]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay a graph for these sequences: (logits [n * q, V], aux [n * q, k * H] or None)."""
+        size, q_len, _ = key
+        g = self.graphs[key]
+        rows = len(seqs) * q_len
+        padded = [*seqs, *self._padding(size - len(seqs), q_len)]
+        layout = PagedLayout.of(padded, self.shape.page_size)
+        self._plan(g.wrapper, layout, padded, q_len)
+        g.ids[:rows].copy_(ids, non_blocking=True)
+        g.ids[rows:].zero_()
+        g.positions[:rows].copy_(positions, non_blocking=True)
+        g.positions[rows:].zero_()
         g.write_slots.copy_(layout.write_slots, non_blocking=True)
         g.graph.replay()
-        return g.logits[:n].clone(), None if g.aux is None else g.aux[:n].clone()
+        return g.logits[:rows].clone(), None if g.aux is None else g.aux[:rows].clone()
 
-    def _padding(self, count: int) -> list[SeqAttention]:
-        table = PageTable(self.shape.page_size, [self.scratch_page], 1)
-        return [SeqAttention(table, kv_len=1, q_len=1)] * count
+    def _padding(self, count: int, q_len: int) -> list[SeqAttention]:
+        page = self.shape.page_size
+        table = PageTable(page, self.scratch_pages[: -(-q_len // page)], q_len)
+        mask = None if q_len == 1 else torch.ones(q_len, q_len, dtype=torch.bool)
+        return [SeqAttention(table, kv_len=q_len, q_len=q_len, mask=mask)] * count
 
-    def _plan(self, wrapper: Any, layout: PagedLayout) -> None:
+    def _plan(self, wrapper: Any, layout: PagedLayout, seqs: list[SeqAttention], q_len: int) -> None:
         shape = self.shape
-        wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.last_page_len, shape.num_heads,
-                     shape.num_kv_heads, shape.head_dim, shape.page_size, pos_encoding_mode="NONE",
-                     q_data_type=shape.dtype, kv_data_type=shape.dtype)
+        heads = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size)
+        types = {"q_data_type": shape.dtype, "kv_data_type": shape.dtype}
+        if q_len == 1:
+            wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.last_page_len, *heads,
+                         pos_encoding_mode="NONE", **types)
+        else:
+            wrapper.plan(layout.qo_indptr, layout.kv_indptr, layout.kv_indices,
+                         layout.last_page_len, *heads, custom_mask=flat_mask(seqs, self.device),
+                         causal=False, **types)
 
-    def _capture(self, size: int, capture: tuple[int, ...]) -> _Graph:
+    def _wrapper(self, size: int, q_len: int) -> Any:
         flashinfer = import_flashinfer()
+        device, page = self.device, self.shape.page_size
+        pages_per_seq = -(-self.max_kv_len // page)
+
+        def int32(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=device)
+
+        if q_len == 1:
+            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True,
+                use_tensor_cores=self.shape.use_tensor_cores,
+                paged_kv_indptr_buffer=int32(size + 1),
+                paged_kv_indices_buffer=int32(size * pages_per_seq),
+                paged_kv_last_page_len_buffer=int32(size))
+        # The packed mask: q_len * kv_len bits per sequence, each sequence's rounded up to
+        # whole bytes, and room to spare for flashinfer's alignment.
+        mask_bytes = size * (-(-q_len * self.max_kv_len // 8) + 4) + 64
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, backend="fa2",
+            qo_indptr_buf=int32(size + 1), paged_kv_indptr_buf=int32(size + 1),
+            paged_kv_indices_buf=int32(size * pages_per_seq),
+            paged_kv_last_page_len_buf=int32(size),
+            custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=device),
+            mask_indptr_buf=int32(size + 1))
+
+    def _capture(self, size: int, q_len: int, capture: tuple[int, ...]) -> _Graph:
         device = self.device
-        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.shape.use_tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(size + 1, dtype=torch.int32, device=device),
-            paged_kv_indices_buffer=torch.zeros(size * self.max_pages_per_seq, dtype=torch.int32,
-                                                device=device),
-            paged_kv_last_page_len_buffer=torch.zeros(size, dtype=torch.int32, device=device))
-        layout = PagedLayout.of(self._padding(size), self.shape.page_size)
-        self._plan(wrapper, layout)
-        ids = torch.zeros(size, dtype=torch.int64, device=device)
-        positions = torch.zeros(size, dtype=torch.int64, device=device)
+        wrapper = self._wrapper(size, q_len)
+        padded = self._padding(size, q_len)
+        layout = PagedLayout.of(padded, self.shape.page_size)
+        self._plan(wrapper, layout, padded, q_len)
+        ids = torch.zeros(size * q_len, dtype=torch.int64, device=device)
+        positions = torch.zeros(size * q_len, dtype=torch.int64, device=device)
         write_slots = layout.write_slots.to(device)
-        ctx = AttentionContext(_Planned(), FlashInferMetadata(write_slots, wrapper), self.cache)
+        ctx = AttentionContext(PlannedAttention(), FlashInferMetadata(write_slots, wrapper),
+                               self.cache)
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             out = self.model(ids, positions, ctx, capture)
@@ -145,12 +207,3 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 logits, aux = forward()
         return _Graph(graph, wrapper, ids, positions, write_slots, logits, aux)
-
-
-class _Planned:
-    """The attention backend seen by a captured graph: the wrapper was planned outside it."""
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: FlashInferMetadata, cache: KVCache) -> torch.Tensor:
-        cache.write(layer, meta.write_slots, k, v)
-        return meta.wrapper.run(q.contiguous(), cache.data[layer])

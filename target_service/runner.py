@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from splitspec.attention.base import AttentionBackend, SeqAttention
-from splitspec.cuda_graphs import DecodeGraphs
+from splitspec.cuda_graphs import StepGraphs
 from splitspec.kv_cache import KVCache
 from splitspec.model.layers import AttentionContext
 from splitspec.model.llama import LlamaForCausalLM
@@ -44,15 +44,16 @@ class ModelRunner:
         self.cache = cache
         self.backend = backend
         self.device = device
-        self.graphs: DecodeGraphs | None = None  # set by the capture_cuda_graphs step
+        self.graphs: StepGraphs | None = None  # set by the capture_cuda_graphs step
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [len(logit_rows), V] float32, captured features [T, k * H] or None)."""
-        size = self.graphs.bucket_for(batch.attn, batch.capture) if self.graphs else None
-        if size is not None and batch.logit_rows == list(range(len(batch.attn))):
+        key = (self.graphs.key_for(batch.attn, batch.logit_rows, batch.capture)
+               if self.graphs is not None else None)
+        if key is not None:
             with torch.inference_mode():
-                return self.graphs.run(size, batch.ids.to(self.device),
-                                       batch.positions.to(self.device), batch.attn, batch.capture)
+                return self.graphs.run(key, batch.ids.to(self.device),
+                                       batch.positions.to(self.device), batch.attn)
         meta = self.backend.plan(batch.attn, self.device)
         ctx = AttentionContext(self.backend, meta, self.cache)
         with torch.inference_mode():

@@ -32,7 +32,7 @@ from splitspec.attention import (
     choose_backend,
     make_backend,
 )
-from splitspec.cuda_graphs import DecodeGraphs, buckets_up_to
+from splitspec.cuda_graphs import StepGraphs, buckets_up_to
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, InitFailed, InitReport, Startup, fail_startup
 from splitspec.kv_cache import KVCache, PagePool
@@ -184,7 +184,8 @@ def default_capture(num_layers: int) -> tuple[int, ...]:
 
 def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
                         shape: AttentionShape, num_layers: int) -> Detailed:
-    """Decode graphs for every batch-size bucket up to --max-running, without captured
+    """Step graphs for every batch-size bucket up to --max-running: plain decode and, with a
+    draft, verification of a tree of --num-draft-tokens nodes, each without captured
     features and (with a draft) with the default EAGLE-3 ones; the runner replays them."""
     device = str(runner.device)
     if not device.startswith("cuda"):
@@ -195,16 +196,19 @@ def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
         return Detailed(None, "none: graphs need the flashinfer backend; eager decode")
     if runner.model.tp.size > 1:  # collectives inside captured graphs: not yet tried on NCCL
         return Detailed(None, "none with --tp > 1 yet: eager decode")
-    (scratch,) = pool.allocate(1)  # the padding rows' page; every rank takes the same one
-    per_seq = -(-(cfg.max_context + cfg.max_tree_nodes + 1) // cfg.page_size)
-    graphs = DecodeGraphs(runner.model, runner.cache, shape, scratch, per_seq, device)
+    q_lens = (1, cfg.num_draft_tokens + 1) if cfg.draft else (1,)
+    # The padding rows' pages; every rank takes the same ones.
+    scratch = pool.allocate(-(-max(q_lens) // cfg.page_size))
+    graphs = StepGraphs(runner.model, runner.cache, shape, scratch,
+                        cfg.max_context + cfg.max_tree_nodes + 1, device)
     variants = ((), default_capture(num_layers)) if cfg.draft else ((),)
     buckets = buckets_up_to(cfg.max_running)
-    seconds = graphs.capture(buckets, variants)
+    seconds = graphs.capture(buckets, q_lens, variants)
     runner.graphs = graphs
-    features = " and with the default EAGLE-3 features" if cfg.draft else ""
-    return Detailed(graphs, f"decode graphs for batch sizes {', '.join(map(str, buckets))}"
-                    f"{features} in {seconds:.1f}s")
+    what = (f"decode and {cfg.num_draft_tokens}-node verify, each without and with the default "
+            "EAGLE-3 features" if cfg.draft else "decode")
+    return Detailed(graphs, f"{len(graphs.graphs)} graphs ({what}) for batch sizes "
+                    f"{', '.join(map(str, buckets))} in {seconds:.1f}s")
 
 
 def connect_draft(cfg: TargetConfig, spec: ModelSpec) -> Detailed:

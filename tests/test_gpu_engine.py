@@ -3,8 +3,9 @@
 - the flashinfer backend against the torch backend (the reference), bf16, GQA,
   over paged caches: decode, causal prefill, prefill over a cached prefix, a
   tree mask, and all of them mixed in one batch;
-- the decode CUDA graphs against eager decoding with the same backend,
-  including padded buckets and sequences crossing page boundaries;
+- the step CUDA graphs (decode, and verify of a tree) against eager steps with
+  the same backend, including padded buckets and sequences crossing page
+  boundaries, and what they leave to eager steps;
 - the target service on the GPU: speculation ON against OFF in bf16 (the
   share of identical greedy tokens is printed), and a fault injected into
   ``capture_cuda_graphs`` fails start-up naming that step.
@@ -28,11 +29,11 @@ from splitspec.attention import (
     TorchAttentionBackend,
 )
 from splitspec.builtin import BUILTIN_TARGET
-from splitspec.cuda_graphs import DecodeGraphs
+from splitspec.cuda_graphs import StepGraphs
 from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.loader import load_llama
-from splitspec.tree import verify_mask
+from splitspec.tree import positions, verify_mask
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parent.parent
@@ -95,13 +96,17 @@ def test_flashinfer_refuses_float32_and_cpu():
         FlashInferBackend(AttentionShape(HEADS, KV_HEADS, DIM, PAGE, torch.bfloat16), "cpu")
 
 
-def test_decode_graphs_match_eager_decoding():
-    """Three sequences (bucket 4: one padding row) decode 40 steps, crossing pages; the
-    graphs' logits equal the eager ones of the same backend, and so do their tokens."""
+def graphed_and_eager_runs(steps: int, tree: list[int] | None) -> dict:
+    """Three sequences (bucket 4: one padding row) decode ``steps`` steps with the built-in
+    target, crossing pages, once eagerly and once through the graphs; each step either
+    plain (tree None) or verifying a fixed tree of draft tokens below the last token
+    (committing only the root's choice, so the sequences advance one token a step).
+    Returns per run the tokens chosen and the logits."""
     model = load_llama(BUILTIN_TARGET, torch.bfloat16, "cuda")
     cfg = model.config
     shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, PAGE, torch.bfloat16)
     backend = FlashInferBackend(shape, "cuda")
+    nodes = len(tree or [])
     runs = {}
     for graphed in (False, True):
         cache = KVCache(cfg.num_layers, 64, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
@@ -109,41 +114,79 @@ def test_decode_graphs_match_eager_decoding():
         pool = PagePool(64)
         graphs = None
         if graphed:
-            (scratch,) = pool.allocate(1)
-            graphs = DecodeGraphs(model, cache, shape, scratch, 8, "cuda")
-            graphs.capture((1, 2, 4), ((), (2, 3)))
+            graphs = StepGraphs(model, cache, shape, pool.allocate(1), 128, "cuda")
+            graphs.capture((1, 2, 4), (1, nodes + 1) if nodes else (1,), ((), (2, 3)))
         prompts = [[5, 6, 7], [9] * 12, list(range(20, 45))]
         tables = [PageTable(PAGE) for _ in prompts]
-        last, logits_seen = [], []
+        last, logits_seen, chosen = [], [], []
         with torch.inference_mode():
             for table, prompt in zip(tables, prompts, strict=True):
-                table.reserve(pool, len(prompt) + 41)
+                table.reserve(pool, len(prompt) + steps + nodes + 1)
                 attn = [SeqAttention(table, len(prompt), len(prompt))]
                 ctx = AttentionContext(backend, backend.plan(attn, "cuda"), cache)
                 out = model(torch.tensor(prompt, device="cuda"),
                             torch.arange(len(prompt), device="cuda"), ctx)
                 last.append(int(model.compute_logits(out.hidden[-1:]).argmax()))
             lengths = [len(p) for p in prompts]
-            for _ in range(40):
-                attn = [SeqAttention(t, n + 1, 1) for t, n in zip(tables, lengths, strict=True)]
-                ids = torch.tensor(last, device="cuda")
-                pos = torch.tensor(lengths, device="cuda")
+            for _ in range(steps):
+                q = nodes + 1
+                attn = [SeqAttention(t, n + q, q, verify_mask(tree, n) if tree else None)
+                        for t, n in zip(tables, lengths, strict=True)]
+                ids = torch.tensor([[tok, *[(tok + 1 + i) % cfg.vocab_size for i in range(nodes)]]
+                                    for tok in last], device="cuda").reshape(-1)
+                pos = torch.cat([positions(tree, n) if tree else torch.tensor([n])
+                                 for n in lengths]).to("cuda")
+                rows = list(range(q * len(attn)))
                 if graphs is not None:
-                    assert graphs.bucket_for(attn, (2, 3)) == 4
-                    logits, aux = graphs.run(4, ids, pos, attn, (2, 3))
+                    key = graphs.key_for(attn, rows, (2, 3))
+                    assert key == (4, q, (2, 3))
+                    logits, aux = graphs.run(key, ids, pos, attn)
                 else:
                     ctx = AttentionContext(backend, backend.plan(attn, "cuda"), cache)
                     out = model(ids, pos, ctx, (2, 3))
                     logits, aux = model.compute_logits(out.hidden), out.aux
-                assert aux is not None and aux.shape == (3, 2 * cfg.hidden_size)
+                assert aux is not None and aux.shape == (3 * q, 2 * cfg.hidden_size)
                 logits_seen.append(logits)
-                last = logits.argmax(dim=-1).tolist()
-                lengths = [n + 1 for n in lengths]
-                runs.setdefault(graphed, []).append(last)
-        runs[graphed, "logits"] = torch.stack(logits_seen)
-    assert runs[True] == runs[False]
-    error = (runs[True, "logits"] - runs[False, "logits"]).abs().max().item()
+                last = logits[::q].argmax(dim=-1).tolist()  # the root's choice
+                chosen.append(logits.argmax(dim=-1).tolist())
+                lengths = [n + 1 for n in lengths]  # keep the root; the tree is overwritten
+        runs[graphed] = (chosen, torch.stack(logits_seen))
+    return runs
+
+
+@pytest.mark.parametrize("tree", [None, [0, 0, 0, 1, 1, 2, 4, 6]], ids=["decode", "verify"])
+def test_step_graphs_match_eager_steps(tree):
+    """Graphs (decode, and verify of an 8-node tree) against eager steps of the same backend:
+    the same tokens at every row, logits within bf16 noise."""
+    runs = graphed_and_eager_runs(40 if tree is None else 20, tree)
+    assert runs[True][0] == runs[False][0]
+    error = (runs[True][1] - runs[False][1]).abs().max().item()
     assert error < 1e-3, error
+
+
+def test_graphs_refuse_what_they_did_not_capture():
+    """A prompt, a mixed batch, a tree of another size or a batch over the largest bucket
+    runs eagerly (key_for says None)."""
+    model = load_llama(BUILTIN_TARGET, torch.bfloat16, "cuda")
+    cfg = model.config
+    shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, PAGE, torch.bfloat16)
+    cache = KVCache(cfg.num_layers, 64, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
+                    "cuda")
+    pool = PagePool(64)
+    graphs = StepGraphs(model, cache, shape, pool.allocate(1), 128, "cuda")
+    graphs.capture((1, 2), (1, 9), ((),))
+    table = PageTable(PAGE)
+    table.reserve(pool, 40)
+    decode = SeqAttention(table, 20, 1)
+    tree = SeqAttention(table, 29, 9, verify_mask([0, 0, 0, 1, 1, 2, 4, 6], 20))
+    assert graphs.key_for([decode], [0], ()) == (1, 1, ())
+    assert graphs.key_for([tree, tree], list(range(18)), ()) == (2, 9, ())
+    assert graphs.key_for([SeqAttention(table, 20, 20)], [19], ()) is None       # a prompt
+    assert graphs.key_for([decode, tree], list(range(10)), ()) is None            # mixed
+    assert graphs.key_for([decode] * 3, [0, 1, 2], ()) is None                    # > bucket
+    assert graphs.key_for([decode], [0], (2, 3)) is None                          # features
+    small = SeqAttention(table, 25, 5, verify_mask([0, 0, 1, 2], 20))
+    assert graphs.key_for([small], list(range(5)), ()) is None                    # tree size
 
 
 def serve(tmp_path: Path, args: list[str], env: dict[str, str] | None = None

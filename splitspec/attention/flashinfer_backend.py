@@ -93,7 +93,20 @@ class FlashInferMetadata(AttentionMetadata):
     wrapper: Any = None  # the planned flashinfer wrapper whose run() every layer calls
 
 
-class FlashInferBackend(AttentionBackend):
+class PlannedAttention(AttentionBackend):
+    """Runs passes whose flashinfer wrapper was planned by its owner (a CUDA graph's
+    wrapper is planned outside the graph, before each replay)."""
+
+    def plan(self, seqs: list[SeqAttention], device: torch.device | str) -> FlashInferMetadata:
+        raise TypeError("PlannedAttention runs wrappers planned elsewhere; it does not plan")
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
+        cache.write(layer, meta.write_slots, k, v)
+        return meta.wrapper.run(q.contiguous(), cache.data[layer])
+
+
+class FlashInferBackend(PlannedAttention):
     def __init__(self, shape: AttentionShape, device: torch.device | str) -> None:
         if shape.dtype not in (torch.bfloat16, torch.float16):
             raise ValueError(f"flashinfer attention needs bfloat16 or float16, not {shape.dtype}; "
@@ -143,19 +156,18 @@ class FlashInferBackend(AttentionBackend):
                               pos_encoding_mode="NONE", **types)
             wrapper = self._decode
         else:
-            mask = None
-            if any(seq.mask is not None for seq in seqs):
-                mask = torch.cat([_mask_of(seq).reshape(-1) for seq in seqs]).to(device)
+            mask = flat_mask(seqs, device) if any(seq.mask is not None for seq in seqs) else None
             wrapper = self._prefill if mask is None else self._masked
             wrapper.plan(layout.qo_indptr, layout.kv_indptr, layout.kv_indices,
                          layout.last_page_len, *heads, custom_mask=mask, causal=mask is None,
                          **types)
         return FlashInferMetadata(layout.write_slots.to(device, non_blocking=True), wrapper)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata, cache: KVCache) -> torch.Tensor:
-        cache.write(layer, meta.write_slots, k, v)
-        return meta.wrapper.run(q.contiguous(), cache.data[layer])
+
+def flat_mask(seqs: list[SeqAttention], device: torch.device | str) -> torch.Tensor:
+    """Every sequence's [q_len, kv_len] mask (causal where it has none), flattened in order:
+    flashinfer's custom-mask layout."""
+    return torch.cat([_mask_of(seq).reshape(-1) for seq in seqs]).to(device)
 
 
 def _mask_of(seq: SeqAttention) -> torch.Tensor:
