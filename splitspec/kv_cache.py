@@ -14,9 +14,12 @@ table is truncated.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 
 import torch
+
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 class OutOfPages(RuntimeError):
@@ -121,8 +124,18 @@ class KVCache:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V from global slots src to dst (same length).
 
-        Reads all sources before writing, so overlapping src/dst are safe.
+        Reads all sources before writing, so overlapping src/dst are safe. On CUDA one
+        Triton kernel does it (splitspec/kernels/kv_compact.py); elsewhere torch does.
         """
+        if self.data.is_cuda and _HAS_TRITON:
+            from splitspec.kernels.kv_compact import compact_kv
+
+            compact_kv(self.data, src, dst)
+        else:
+            self.copy_slots_torch(src, dst)
+
+    def copy_slots_torch(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """:meth:`copy_slots` in plain torch: the reference of the Triton kernel."""
         src_pages, src_off = src // self.page_size, src % self.page_size
         dst_pages, dst_off = dst // self.page_size, dst % self.page_size
         moved = self.data[:, src_pages, :, src_off].clone()  # [N, L, 2, H_kv, D] after advanced indexing
