@@ -20,11 +20,13 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from draft_service.config import DraftConfig
 from gateway.policy import AdaptivePolicy, static_policy
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
@@ -179,38 +181,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def add_stack_arguments(parser: argparse.ArgumentParser) -> None:
-    """--target, or --start with the draft kind, models, device and dtype of a stack to start."""
+def add_stack_arguments(parser: argparse.ArgumentParser, extra_kinds: tuple[str, ...] = (),
+                        kinds_help: str = "") -> None:
+    """--target, or --start with the draft kind, models, device and dtype of a stack to start;
+    `extra_kinds`: draft kinds the script starts itself besides start_stack's (described by
+    `kinds_help`)."""
     parser.add_argument("--target", default="localhost:50052", help="target address")
     parser.add_argument("--start", action="store_true", help="start draft and target here")
-    parser.add_argument("--draft-kind", default="eagle3", choices=["eagle3", "standalone", "self"],
+    parser.add_argument("--draft-kind", default="eagle3",
+                        choices=["eagle3", "standalone", "self", *extra_kinds],
                         help="with --start: the built-in EAGLE-3 head, the standalone draft, or "
-                             "the target itself as a standalone draft (every token accepted)")
+                             "the target itself as a standalone draft (every token accepted)"
+                             + kinds_help)
     parser.add_argument("--models", type=Path, default=BUILTIN_TARGET.parent,
                         help="folder holding target/, eagle3/ and draft/ (with --start)")
     parser.add_argument("--device", default="cpu", help="with --start: torch device of both services")
     parser.add_argument("--dtype", default="float32", help="with --start: dtype of both services")
 
 
+def start_target(model: Path, device: str, dtype: str, args: Sequence[str] = (),
+                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """A target on a free port (stdout discarded, stderr inherited: its init report shows
+    there); `args`: more of its flags (--draft, --max-running, ...)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "target_service", "--port", str(port),
+                             "--model", str(model), "--device", device, "--dtype", dtype, *args],
+                            stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+    return proc, f"127.0.0.1:{port}"
+
+
 def start_stack(draft_kind: str, models: Path, device: str, dtype: str,
-                max_running: int | None = None, env: dict[str, str] | None = None
+                max_running: int | None = None, env: dict[str, str] | None = None, *,
+                target_model: Path | None = None, draft_args: Sequence[str] | None = None,
+                draft_port: int | None = None, extra_args: Sequence[str] = ()
                 ) -> tuple[list[subprocess.Popen], str]:
-    """Draft and target on free ports; `max_running`: the target's (None: its default);
-    `env`: extra environment variables of both processes."""
-    draft_port, target_port = free_port(), free_port()
-    draft_dir = {"eagle3": models / "eagle3", "standalone": models / "draft",
-                 "self": models / "target"}[draft_kind]
-    common = ["--device", device, "--dtype", dtype]
-    full_env = {**os.environ, **(env or {})}
-    procs = [subprocess.Popen([sys.executable, "-m", "draft_service", "--port", str(draft_port),
-                               "--model", str(draft_dir), "--target-model", str(models / "target"),
-                               *common], stdout=subprocess.DEVNULL, env=full_env)]
+    """Draft and target on free ports; `max_running`: the target's (None: its default; the
+    draft holds at least as many sequences); `env`: extra environment variables of both processes; `target_model`:
+    the target checkpoint (None: models/target); `draft_args`: the draft's model flags in
+    place of ``--model`` for draft_kind (for example the replay draft's); `draft_port`:
+    the draft's port (None: a free one); `extra_args`:
+    more flags of both services (e.g. --max-context)."""
+    draft_port = draft_port or free_port()
+    target_model = target_model or models / "target"
+    if draft_args is None:
+        draft_dir = {"eagle3": models / "eagle3", "standalone": models / "draft",
+                     "self": models / "target"}[draft_kind]
+        draft_args = ["--model", str(draft_dir)]
     limits = [] if max_running is None else ["--max-running", str(max_running)]
-    procs.append(subprocess.Popen([sys.executable, "-m", "target_service", "--port",
-                                   str(target_port), "--draft", f"127.0.0.1:{draft_port}",
-                                   "--model", str(models / "target"), *common, *limits],
-                                  stdout=subprocess.DEVNULL, env=full_env))
-    return procs, f"127.0.0.1:{target_port}"
+    draft_limits = ([] if max_running is None or max_running <= DraftConfig.max_running
+                    else ["--max-running", str(max_running)])
+    procs = [subprocess.Popen([sys.executable, "-m", "draft_service", "--port", str(draft_port),
+                               *draft_args, "--target-model", str(target_model), "--device",
+                               device, "--dtype", dtype, *draft_limits, *extra_args],
+                              stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})]
+    target, address = start_target(target_model, device, dtype,
+                                   ["--draft", f"127.0.0.1:{draft_port}", *limits, *extra_args],
+                                   env)
+    return [*procs, target], address
 
 
 def load_prompts(source: str, tokenizer_dir: Path, num: int, prompt_len: int) -> list[list[int]]:
