@@ -27,6 +27,35 @@ numbers with the machine and command (``--out-json``) and a plot
         --out-png docs/bench/concurrency_cpu.png
 
 ``--from-json`` re-renders the table and plot of a saved run without running anything.
+``--modes`` runs fewer modes (OFF and ON always: the ratios are against them). With
+``--start`` both services get ``--device`` and ``--dtype`` (and ``--max-context`` when
+given); the target runs ``--max-running`` max(32, largest concurrency) sequences, and the
+draft holds at least as many.
+
+**Replay draft** (``--draft-kind replay``, with ``--start``): measures speed at a known
+acceptance on a target no trained draft agrees with. The script starts the target alone
+(``--target-model``, or ``--random-8b``: a Llama-3.1-8B-shaped checkpoint with RANDOM bf16
+weights, written to a temporary folder with ``bench_decode_floor.random_checkpoint``; GPU
+only), records its greedy continuations of exactly the sweep's prompts
+(``--max-new-tokens`` + 8 tokens, ``splitspec.replay.record``), stops it, then starts
+``python -m draft_service --kind replay`` on the records with ``--replay-corrupt-rate`` R and
+a target connected to it, and sweeps. Each drafted main-path token is kept with
+probability 1 - R, so ON accepts about sum_k (1 - R)^k draft tokens per verify step (k up
+to the shape's depth); the default R = 0.18 gives 2.50 for the depth-4 tree, the
+acceptance measured for the trained built-in EAGLE-3 pair (docs/benchmarks.md). The
+report labels the draft ``replay(records.jsonl, corrupt R)``, gives ON's measured
+acceptance beside the expected one, the replay draft's misses (trees for sequences that
+left their record: another engine's numerics flipped a near-tie) and says RANDOM weights
+where they were. The GPU run of issue 7 (one H200; its 10-minute command limit in mind:
+``--max-context 256`` keeps the KV cache of 64 sequences to about 2.6 GiB beside the
+16 GB of weights; no ``--out-png``: matplotlib may be missing there, so the plot is
+drawn afterwards with ``--from-json``; the JSON is saved after every concurrency, so a run
+cut off at the limit keeps the concurrencies it finished)::
+
+    python bench/bench_concurrency.py --start --device cuda --dtype bfloat16 --random-8b \\
+        --draft-kind replay --replay-corrupt-rate 0.18 --prompts heldout --max-new-tokens 48 \\
+        --max-context 256 --concurrency 1,2,4,8,16,32,64 --modes OFF,ON,adaptive --repeats 3 \\
+        --out-json $OUT/concurrency_8b_replay.json --out-md $OUT/concurrency_8b_replay.md
 """
 
 from __future__ import annotations
@@ -36,30 +65,66 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import grpc
 from bench_speculation import (
     SHAPES,
     RunStats,
     add_stack_arguments,
+    free_port,
     load_prompts,
     run_target,
     start_stack,
+    start_target,
 )
 
 from gateway.policy import AdaptivePolicy, static_policy
-from splitspec.grpc_server import wait_for_serving
-from splitspec.v1 import common_pb2, target_pb2, target_pb2_grpc
+from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
+from splitspec.replay import record, write_records
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 MODES = ("OFF", "ON", "static", "adaptive")
 AIM = 0.97  # adaptive within 3 % of the best of OFF and ON
+REPLAY = "replay"
+# Recorded beyond --max-new-tokens, so a request's last trees still carry the target's
+# tokens at every depth (at least the deepest shape's depth).
+REPLAY_SPARE = 8
+assert max(steps for _, _, steps in SHAPES.values()) <= REPLAY_SPARE
+DEFAULT_CORRUPT_RATE = 0.18  # 2.50 accepted per verify step at depth 4: the trained pair's
+SERVING_TIMEOUT_S = 300
+
+
+def parse_modes(text: str) -> list[str]:
+    """``"OFF,ON,adaptive"`` -> those modes, in MODES order; OFF and ON are required (every
+    ratio is against them)."""
+    modes = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown or not {"OFF", "ON"} <= set(modes):
+        raise argparse.ArgumentTypeError(
+            f"--modes must name OFF, ON and any of static, adaptive (got {text!r})")
+    return [mode for mode in MODES if mode in modes]
+
+
+def modes_of(report: dict[str, Any]) -> list[str]:
+    """The modes a report ran (all four in reports from before --modes)."""
+    return list(report["settings"].get("modes", MODES))
+
+
+def expected_replay_acceptance(corrupt_rate: float, shape: list[int] | tuple[int, ...]) -> float:
+    """Mean accepted draft tokens per verify step of the replay draft: sum_{k=1..L} (1 - R)^k
+    for its main path of L = min(depth, nodes) (draft_service/replay.py)."""
+    num, _, steps = shape
+    return sum((1 - corrupt_rate) ** k for k in range(1, min(num, steps) + 1))
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -113,48 +178,80 @@ def mean_decode_batch(stats: RunStats) -> float:
     return statistics.fmean(decode) if decode else 0.0
 
 
-def summarize(entry: dict[str, Any]) -> dict[str, Any]:
-    """Medians and ratios of one concurrency's raw runs (`entry` as stored in the JSON)."""
+def summarize(entry: dict[str, Any], modes: list[str] | tuple[str, ...] = MODES) -> dict[str, Any]:
+    """Medians and ratios of one concurrency's raw runs (`entry` as stored in the JSON);
+    the adaptive figures are None where adaptive did not run."""
     rates = entry["tokens_per_s"]
-    med = {mode: statistics.median(rates[mode]) for mode in MODES}
+    med = {mode: statistics.median(rates[mode]) for mode in modes}
     per_repeat = lambda a, b: statistics.median(  # noqa: E731
         x / y for x, y in zip(rates[a], rates[b], strict=True))
     best = "ON" if med["ON"] >= med["OFF"] else "OFF"
-    on_off, adaptive_best = per_repeat("ON", "OFF"), per_repeat("adaptive", best)
-    adaptive_off = per_repeat("adaptive", "OFF")
+    on_off = per_repeat("ON", "OFF")
+    adaptive_best = adaptive_off = aim_met = None
+    if "adaptive" in modes:
+        adaptive_best, adaptive_off = per_repeat("adaptive", best), per_repeat("adaptive", "OFF")
+        aim_met = adaptive_best >= AIM and (on_off <= 1 or adaptive_off > 1)
     return {"concurrency": entry["concurrency"], "median": med, "best": best, "on_off": on_off,
-            "adaptive_best": adaptive_best, "adaptive_off": adaptive_off,
-            "aim_met": adaptive_best >= AIM and (on_off <= 1 or adaptive_off > 1)}
+            "adaptive_best": adaptive_best, "adaptive_off": adaptive_off, "aim_met": aim_met}
+
+
+def acceptance_line(report: dict[str, Any]) -> str:
+    """ON's accepted draft tokens per verify step over the concurrencies (and, for the replay
+    draft, what its corrupt rate should give and how many trees missed); '' when unknown."""
+    settings = report["settings"]
+    on = [a for entry in report["results"]
+          for a in entry.get("accepted_per_verify_step", {}).get("ON", [])]
+    if not on:
+        return ""
+    line = (f" ON accepted {statistics.median(on):.2f} draft tokens per verify step "
+            f"(median of all runs, {min(on):.2f}-{max(on):.2f})")
+    if settings.get("replay_corrupt_rate") is not None:
+        expected = expected_replay_acceptance(settings["replay_corrupt_rate"], settings["shape"])
+        misses = sum(sum(entry.get("replay_misses", {}).get(mode, []))
+                     for entry in report["results"] for mode in modes_of(report))
+        trees = sum(sum(entry.get("draft_trees", {}).get(mode, []))
+                    for entry in report["results"] for mode in modes_of(report))
+        line += (f"; {expected:.2f} expected at corrupt {settings['replay_corrupt_rate']:.2f}; "
+                 f"replay misses in timed runs: {misses} of {trees} trees")
+    return line + "."
 
 
 def markdown(report: dict[str, Any]) -> str:
     """The table of a run, with a line saying what ran and where the aim is met."""
     settings, machine = report["settings"], report["machine"]
+    modes = modes_of(report)
     threshold = settings["static_threshold"]
     prompt_len = f" of {settings['prompt_len']} tokens" if settings["prompts"] == "heldout" else ""
+    target = f"target model {settings['target_label']}, " if settings.get("target_label") else ""
+    warm = [m for m in ("OFF", "ON", "adaptive") if m in modes]
     lines = [
         f"{machine['label']}; torch {machine['torch']}, {machine['device']}; {report['date']}. "
-        f"{settings['draft']} draft, {settings['shape_name']} shape "
+        f"{target}{settings['draft']} draft, {settings['shape_name']} shape "
         f"{'/'.join(map(str, settings['shape']))} (nodes/topk/depth); {settings['prompts']} "
         f"prompts{prompt_len} x {settings['max_new_tokens']} new tokens, greedy; "
         f"{settings['repeats']} runs per mode, interleaved, medians, after "
-        f"{settings.get('warmup', 0)} untimed OFF, ON and adaptive run(s) at each concurrency.",
+        f"{settings.get('warmup', 0)} untimed {', '.join(warm[:-1])} and {warm[-1]} run(s) at "
+        f"each concurrency." + acceptance_line(report),
         "",
-        "| concurrency | prompts | OFF tok/s | ON tok/s | "
-        f"static (<={threshold}) tok/s | adaptive tok/s | ON / OFF | adaptive / best(OFF, ON) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    summaries = [summarize(entry) for entry in report["results"]]
+    names = {"OFF": "OFF", "ON": "ON", "static": f"static (<={threshold})", "adaptive": "adaptive"}
+    header = ["concurrency", "prompts", *(f"{names[m]} tok/s" for m in modes), "ON / OFF"]
+    if "adaptive" in modes:
+        header.append("adaptive / best(OFF, ON)")
+    lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
+    summaries = [summarize(entry, modes) for entry in report["results"]]
     for entry, s in zip(report["results"], summaries, strict=True):
-        m = s["median"]
-        lines.append(f"| {s['concurrency']} | {entry['num_prompts']} | {m['OFF']:.1f} | "
-                     f"{m['ON']:.1f} | {m['static']:.1f} | {m['adaptive']:.1f} | "
-                     f"{s['on_off']:.2f}x | {s['adaptive_best']:.2f} ({s['best']}) |")
-    met = [str(s["concurrency"]) for s in summaries if s["aim_met"]]
-    missed = [str(s["concurrency"]) for s in summaries if not s["aim_met"]]
-    lines += ["", f"Aim (adaptive >= {AIM:.2f} x best, and above OFF where ON is): met at "
-              f"concurrency {', '.join(met) or 'none'}"
-              + (f"; missed at {', '.join(missed)}." if missed else ".")]
+        cells = [str(s["concurrency"]), str(entry["num_prompts"]),
+                 *(f"{s['median'][m]:.1f}" for m in modes), f"{s['on_off']:.2f}x"]
+        if "adaptive" in modes:
+            cells.append(f"{s['adaptive_best']:.2f} ({s['best']})")
+        lines.append("| " + " | ".join(cells) + " |")
+    if "adaptive" in modes:
+        met = [str(s["concurrency"]) for s in summaries if s["aim_met"]]
+        missed = [str(s["concurrency"]) for s in summaries if not s["aim_met"]]
+        lines += ["", f"Aim (adaptive >= {AIM:.2f} x best, and above OFF where ON is): met at "
+                  f"concurrency {', '.join(met) or 'none'}"
+                  + (f"; missed at {', '.join(missed)}." if missed else ".")]
     return "\n".join(lines) + "\n"
 
 
@@ -171,7 +268,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     labels = {"OFF": "OFF", "ON": "ON (always)", "static": f"static (speculate up to {threshold})",
               "adaptive": "adaptive"}
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for mode, marker in zip(MODES, "os^D", strict=True):
+    markers = dict(zip(MODES, "os^D", strict=True))
+    for mode in modes_of(report):
+        marker = markers[mode]
         runs = [entry["tokens_per_s"][mode] for entry in results]
         med = [statistics.median(r) for r in runs]
         err = [[m - min(r) for m, r in zip(med, runs, strict=True)],
@@ -185,8 +284,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     settings = report["settings"]
+    target = f"target model {settings['target_label']}\n" if settings.get("target_label") else ""
     ax.set_title(f"Speculation policy against concurrency: {report['machine']['label']}\n"
-                 f"{settings['draft']} draft, shape {'/'.join(map(str, settings['shape']))}, "
+                 f"{target}{settings['draft']} draft, shape {'/'.join(map(str, settings['shape']))}, "
                  f"{settings['max_new_tokens']} new tokens, {report['date'][:10]}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -214,54 +314,135 @@ def render(report: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"plot: {args.out_png}", file=sys.stderr)
 
 
+def draft_counts(draft: draft_pb2_grpc.DraftStub | None) -> tuple[int, int]:
+    """The draft's (trees, replay misses) since it started; (0, 0) without a draft stub."""
+    if draft is None:
+        return 0, 0
+    status = draft.GetStatus(draft_pb2.GetDraftStatusRequest(), timeout=10)
+    return status.trees, status.replay_misses
+
+
 def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
-          args: argparse.Namespace, report: dict[str, Any]) -> None:
-    """Run every concurrency, appending to report["results"] (and saving it) as each ends."""
+          args: argparse.Namespace, report: dict[str, Any],
+          draft: draft_pb2_grpc.DraftStub | None = None) -> None:
+    """Run every concurrency, appending to report["results"] (and saving it) as each ends;
+    with `draft` (the replay draft's stub), each timed run's trees and replay misses too."""
     num, topk, steps = SHAPES[args.shape]
     shape = common_pb2.DraftShape(num_draft_tokens=num, topk=topk, num_steps=steps)
     static = static_policy(args.static_threshold, shape)
-    total = len(args.concurrency) * args.repeats * len(MODES)
+    modes = args.modes
+    warm_modes = [mode for mode in ("OFF", "ON", "adaptive") if mode in modes]
+    total = len(args.concurrency) * args.repeats * len(modes)
     done, start = 0, time.perf_counter()
     for concurrency in args.concurrency:
         prompts = all_prompts[:prompts_for(concurrency, args.num_prompts)]
         adaptive = AdaptivePolicy(shape)  # one per concurrency: it learns across the repeats
         runs: dict[str, tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None] = {
             "OFF": None, "ON": SHAPES[args.shape], "static": static, "adaptive": adaptive}
+        keys = ["tokens_per_s", "wall_s", "accepted_per_verify_step", "speculated_step_share",
+                "mean_decode_batch"] + (["draft_trees", "replay_misses"] if draft else [])
         entry: dict[str, Any] = {"concurrency": concurrency, "num_prompts": len(prompts),
-                                 **{key: {mode: [] for mode in MODES} for key in (
-                                     "tokens_per_s", "wall_s", "accepted_per_verify_step",
-                                     "speculated_step_share", "mean_decode_batch")},
-                                 "warmup_tokens_per_s": {"OFF": [], "ON": [], "adaptive": []}}
+                                 **{key: {mode: [] for mode in modes} for key in keys},
+                                 "warmup_tokens_per_s": {mode: [] for mode in warm_modes}}
         # Untimed: the first runs at a new batch size are slow, and the adaptive policy learns
         # here what a long-running gateway has long known.
         for _ in range(args.warmup):
-            for mode in ("OFF", "ON", "adaptive"):
+            for mode in warm_modes:
                 stats = run_target(stub, prompts, args.max_new_tokens, runs[mode], concurrency)
                 entry["warmup_tokens_per_s"][mode].append(stats.tokens_per_s)
                 print(f"warm-up: concurrency {concurrency}, {mode}: {stats.tokens_per_s:.1f} "
                       f"tok/s ({stats.wall_s:.1f} s, not counted); "
                       f"{time.perf_counter() - start:.0f} s so far", file=sys.stderr, flush=True)
         for repeat in range(args.repeats):
-            for mode in MODES:  # interleaved, so drift hits all alike
+            for mode in modes:  # interleaved, so drift hits all alike
+                trees, misses = draft_counts(draft)
                 stats = run_target(stub, prompts, args.max_new_tokens, runs[mode], concurrency)
                 entry["tokens_per_s"][mode].append(stats.tokens_per_s)
                 entry["wall_s"][mode].append(stats.wall_s)
                 entry["accepted_per_verify_step"][mode].append(stats.mean_accepted)
                 entry["speculated_step_share"][mode].append(speculated_share(stats))
                 entry["mean_decode_batch"][mode].append(mean_decode_batch(stats))
+                replay = ""
+                if draft is not None:
+                    trees_after, misses_after = draft_counts(draft)
+                    entry["draft_trees"][mode].append(trees_after - trees)
+                    entry["replay_misses"][mode].append(misses_after - misses)
+                    replay = (f", {misses_after - misses} of {trees_after - trees} trees "
+                              "missed their record")
                 done += 1
                 print(f"[{done}/{total}] concurrency {concurrency}, {mode}, run "
                       f"{repeat + 1}/{args.repeats}: {stats.tokens_per_s:.1f} tok/s "
                       f"({stats.wall_s:.1f} s, {speculated_share(stats):.0%} of steps "
-                      f"speculated, mean batch {mean_decode_batch(stats):.1f}); "
+                      f"speculated, mean batch {mean_decode_batch(stats):.1f}, "
+                      f"{stats.mean_accepted:.2f} accepted per verify step{replay}); "
                       f"{time.perf_counter() - start:.0f} s so far", file=sys.stderr, flush=True)
         report["results"].append(entry)
         save_json(report, args.out_json)  # partial: a long sweep that dies keeps what it ran
 
 
+def stop(procs: list[subprocess.Popen]) -> None:
+    """Terminate the processes and wait for each to exit."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.wait()
+
+
+def build_random_8b(work: Path) -> Path:
+    """The Llama-3.1-8B-shaped RANDOM bf16 checkpoint (with the built-in tokenizer), written
+    under work on the GPU."""
+    from bench_decode_floor import random_checkpoint
+
+    folder = work / "llama-3.1-8b-shape-random"
+    started = time.perf_counter()
+    params = random_checkpoint(folder)
+    print(f"{folder}: {params / 1e9:.2f} B parameters, RANDOM bf16 weights, written in "
+          f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+    return folder
+
+
+def record_replay(target_model: Path, prompts: list[list[int]], args: argparse.Namespace,
+                  service_args: list[str], path: Path) -> None:
+    """Start the target alone on target_model, record its greedy continuations of prompts
+    (--max-new-tokens + REPLAY_SPARE tokens, speculation OFF) to path, stop it."""
+    unique = list(dict.fromkeys(map(tuple, prompts)))  # --prompts fixed cycles 8 prompts
+    proc, address = start_target(target_model, args.device, args.dtype, service_args)
+    try:
+        wait_for_serving(address, SERVING_TIMEOUT_S, "target (recording)",
+                         alive=lambda: proc.poll() is None).close()
+        started = time.perf_counter()
+        records = record(address, [list(p) for p in unique], args.max_new_tokens + REPLAY_SPARE)
+    finally:
+        stop([proc])
+    write_records(path, records)
+    print(f"recorded {len(records)} continuations of {args.max_new_tokens + REPLAY_SPARE} "
+          f"tokens in {time.perf_counter() - started:.1f} s to {path}", file=sys.stderr,
+          flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_stack_arguments(parser)  # --device and --dtype are also recorded with the results
+    add_stack_arguments(  # --device and --dtype are also recorded with the results
+        parser, (REPLAY,), "; replay: the replay draft on the target's recorded continuations "
+        "(see --replay-corrupt-rate)")
+    parser.add_argument("--replay-corrupt-rate", type=float, default=DEFAULT_CORRUPT_RATE,
+                        help="--draft-kind replay: chance R that a drafted token on the recorded "
+                             "path is wrong; ON then accepts about sum_k (1 - R)^k draft tokens "
+                             f"per verify step (default {DEFAULT_CORRUPT_RATE}: 2.50 for the "
+                             "depth-4 tree, the trained built-in pair's measured acceptance)")
+    parser.add_argument("--target-model", type=Path,
+                        help="with --start: the target checkpoint folder (default: --models' "
+                             "target/); its tokenizer encodes the prompts")
+    parser.add_argument("--random-8b", action="store_true",
+                        help="with --start and --device cuda: write a Llama-3.1-8B-shaped "
+                             "checkpoint with RANDOM bf16 weights to a temporary folder and use "
+                             "it as the target (labelled as such; removed at the end)")
+    parser.add_argument("--max-context", type=int, default=0,
+                        help="with --start: both services' --max-context (0: their default); "
+                             "sizes the target's KV cache with --max-running")
+    parser.add_argument("--modes", type=parse_modes, default=list(MODES),
+                        help="comma-separated modes to run: OFF and ON, and any of static, "
+                             "adaptive (default: all four)")
     parser.add_argument("--machine", default="", help="names the machine in the plot and table "
                                                       "(default: described from this host)")
     parser.add_argument("--shape", default="tree", choices=list(SHAPES),
@@ -295,6 +476,21 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.static_threshold, args.warmup) < 0 or min(args.repeats, args.max_new_tokens) < 1:
         parser.error("--static-threshold and --warmup must be >= 0, --repeats and "
                      "--max-new-tokens >= 1")
+    replay = args.draft_kind == REPLAY
+    if args.random_8b and not args.device.startswith("cuda"):
+        parser.error(f"--random-8b builds a Llama-3.1-8B-shaped bf16 checkpoint (16 GB) on the "
+                     f"GPU and serves it there: it needs --device cuda (got --device "
+                     f"{args.device}); on CPU pass --target-model or use the built-in target")
+    if args.random_8b and args.target_model:
+        parser.error("--random-8b and --target-model both name the target: pass one")
+    if not args.start and (replay or args.random_8b or args.target_model or args.max_context):
+        parser.error("--draft-kind replay, --random-8b, --target-model and --max-context start "
+                     "services: they need --start (against a running stack the report takes "
+                     "the draft's name from the target)")
+    if not 0 <= args.replay_corrupt_rate <= 1:  # NaN fails too
+        parser.error(f"--replay-corrupt-rate must be in [0, 1], got {args.replay_corrupt_rate}")
+    if args.max_context < 0:
+        parser.error(f"--max-context must be >= 0, got {args.max_context}")
     machine = describe_machine(args.device, args.dtype, args.start)
     if args.machine:
         machine["label"] = args.machine
@@ -306,15 +502,49 @@ def main(argv: list[str] | None = None) -> int:
                      "static_threshold": args.static_threshold, "prompts": args.prompts,
                      "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
                      "repeats": args.repeats, "warmup": args.warmup,
-                     "concurrency": args.concurrency},
+                     "concurrency": args.concurrency, "modes": args.modes,
+                     "random_weights": args.random_8b, "max_context": args.max_context or None,
+                     "replay_corrupt_rate": args.replay_corrupt_rate if replay else None},
         "results": [], "complete": False}
     procs: list[subprocess.Popen] = []
-    if args.start:
-        procs, args.target = start_stack(args.draft_kind, args.models, args.device, args.dtype,
-                                         max_running=max(32, *args.concurrency))
-        report["settings"]["target"] = args.target
+    draft: draft_pb2_grpc.DraftStub | None = None
+    draft_channel = None
+    work = Path(tempfile.mkdtemp(prefix="bench_concurrency_"))
     try:
-        channel = wait_for_serving(args.target, 300, "target")
+        target_model = args.target_model or args.models / "target"
+        if args.random_8b:
+            target_model = build_random_8b(work)
+        num = max(prompts_for(c, args.num_prompts) for c in args.concurrency)
+        print(f"loading {num} {args.prompts} prompts", file=sys.stderr, flush=True)
+        prompts = load_prompts(args.prompts, target_model if args.start else args.models / "target",
+                               num, args.prompt_len)
+        prompts = [prompts[i % len(prompts)] for i in range(num)]  # fixed: 8 prompts, cycled
+        need = max(map(len, prompts)) + args.max_new_tokens + (REPLAY_SPARE if replay else 0)
+        if args.max_context and need > args.max_context:
+            raise SystemExit(f"--max-context {args.max_context} is below the longest prompt "
+                             f"plus the tokens generated ({need}): raise it")
+        if args.start:
+            max_running = max(32, *args.concurrency)
+            context = ["--max-context", str(args.max_context)] if args.max_context else []
+            draft_args, draft_port = None, None
+            if replay:
+                records = work / "records.jsonl"
+                record_replay(target_model, prompts, args,
+                              ["--max-running", str(max_running), *context], records)
+                draft_args = ["--kind", REPLAY, "--replay-file", str(records),
+                              "--replay-corrupt-rate", str(args.replay_corrupt_rate)]
+                draft_port = free_port()
+            procs, args.target = start_stack(args.draft_kind, args.models, args.device,
+                                             args.dtype, max_running=max_running,
+                                             target_model=target_model, draft_args=draft_args,
+                                             draft_port=draft_port, extra_args=context)
+            report["settings"]["target"] = args.target
+            if draft_port is not None:
+                draft_channel = grpc.insecure_channel(f"127.0.0.1:{draft_port}",
+                                                      options=CHANNEL_OPTIONS)
+                draft = draft_pb2_grpc.DraftStub(draft_channel)
+        channel = wait_for_serving(args.target, SERVING_TIMEOUT_S, "target",
+                                   alive=lambda: all(p.poll() is None for p in procs))
         stub = target_pb2_grpc.TargetStub(channel)
         info = stub.GetInfo(target_pb2.GetTargetInfoRequest())
         if not info.has_draft:
@@ -323,19 +553,26 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"target {args.target} runs at most {info.max_running} sequences at "
                              f"once, below concurrency {max(args.concurrency)}: start it with "
                              f"--max-running {max(args.concurrency)}")
+        if info.max_context < need:
+            raise SystemExit(f"target {args.target} holds {info.max_context} tokens per "
+                             f"sequence, below the longest prompt plus the tokens generated "
+                             f"({need}): start it with --max-context {need}")
         report["settings"]["target_model"] = info.model_name
+        report["settings"]["target_label"] = (
+            f"{info.model_name} (Llama-3.1-8B shape, RANDOM bf16 weights)" if args.random_8b
+            else info.model_name)
         report["settings"]["draft_model"] = info.draft_model_name
-        report["settings"]["draft"] = args.draft_kind if args.start else info.draft_model_name
-        num = max(prompts_for(c, args.num_prompts) for c in args.concurrency)
-        print(f"loading {num} {args.prompts} prompts", file=sys.stderr, flush=True)
-        prompts = load_prompts(args.prompts, args.models / "target", num, args.prompt_len)
-        prompts = [prompts[i % len(prompts)] for i in range(num)]  # fixed: 8 prompts, cycled
-        sweep(stub, prompts, args, report)
+        report["settings"]["draft"] = (info.draft_model_name if replay or not args.start
+                                       else args.draft_kind)
+        if replay and not info.draft_model_name.startswith(f"{REPLAY}("):
+            raise SystemExit(f"target {args.target}'s draft is {info.draft_model_name!r}, not "
+                             "the replay draft started here")
+        sweep(stub, prompts, args, report, draft)
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait()
+        if draft_channel is not None:
+            draft_channel.close()
+        stop(procs)
+        shutil.rmtree(work, ignore_errors=True)
     report["complete"] = True
     save_json(report, args.out_json)
     render(report, args)

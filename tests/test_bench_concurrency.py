@@ -1,7 +1,9 @@
-"""bench/bench_concurrency.py's arithmetic and table, from a fixed report (no services)."""
+"""bench/bench_concurrency.py's arithmetic and table, from a fixed report (no services), its
+refusals, and (slow) a replay-draft sweep end to end on CPU."""
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -10,6 +12,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_concurrency as bc  # bench/ is a script folder, not a package
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def entry(concurrency: int, off: list[float], on: list[float], static: list[float],
@@ -74,3 +78,89 @@ def test_from_json_renders_without_running(tmp_path, capsys):
 def test_bad_concurrency_lists_are_refused(text):
     with pytest.raises((argparse.ArgumentTypeError, ValueError)):
         bc.parse_concurrency(text)
+
+
+def test_modes_are_parsed_in_table_order_and_need_off_and_on():
+    assert bc.parse_modes("adaptive,ON,OFF") == ["OFF", "ON", "adaptive"]
+    for text in ("ON,adaptive", "OFF,ON,fast", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bc.parse_modes(text)
+
+
+def test_table_of_a_replay_run_without_static_labels_draft_target_and_acceptance():
+    report = json.loads(json.dumps(REPORT))
+    report["settings"] |= {"modes": ["OFF", "ON", "adaptive"], "replay_corrupt_rate": 0.3,
+                           "draft": "replay(records.jsonl, corrupt 0.30)",
+                           "target_label": "llama (Llama-3.1-8B shape, RANDOM bf16 weights)"}
+    for e in report["results"]:
+        del e["tokens_per_s"]["static"]
+        e["accepted_per_verify_step"] = {"OFF": [0.0] * 3, "ON": [1.7, 1.8, 1.9],
+                                         "adaptive": [1.0] * 3}
+        e["draft_trees"] = {"OFF": [0] * 3, "ON": [100] * 3, "adaptive": [50] * 3}
+        e["replay_misses"] = {"OFF": [0] * 3, "ON": [1, 0, 0], "adaptive": [0] * 3}
+    lines = bc.markdown(report).splitlines()
+    assert "target model llama (Llama-3.1-8B shape, RANDOM bf16 weights), replay(records.jsonl, " \
+           "corrupt 0.30) draft" in lines[0]
+    # 0.7 + 0.7^2 + 0.7^3 + 0.7^4 = 1.77 for the depth-4 tree.
+    assert lines[0].endswith("ON accepted 1.80 draft tokens per verify step (median of all "
+                             "runs, 1.70-1.90); 1.77 expected at corrupt 0.30; replay misses "
+                             "in timed runs: 3 of 1350 trees.")
+    assert lines[2] == ("| concurrency | prompts | OFF tok/s | ON tok/s | adaptive tok/s | "
+                        "ON / OFF | adaptive / best(OFF, ON) |")
+    assert "| 1 | 16 | 100.0 | 120.0 | 118.8 | 1.20x | 0.99 (ON) |" in lines
+    assert lines[-1].endswith("met at concurrency 1; missed at 64, 16.")
+
+
+def test_expected_replay_acceptance_follows_the_main_path():
+    assert bc.expected_replay_acceptance(0.0, [8, 4, 4]) == 4
+    assert bc.expected_replay_acceptance(0.0, [3, 1, 5]) == 3  # main path of min(depth, nodes)
+    assert bc.expected_replay_acceptance(1.0, [8, 4, 4]) == 0
+    assert bc.expected_replay_acceptance(bc.DEFAULT_CORRUPT_RATE, [8, 4, 4]) == \
+        pytest.approx(2.50, abs=0.01)  # the trained built-in pair's acceptance
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--start", "--random-8b"], "--random-8b builds a Llama-3.1-8B-shaped bf16 checkpoint "
+                                 "(16 GB) on the GPU and serves it there: it needs --device cuda "
+                                 "(got --device cpu)"),
+    (["--start", "--random-8b", "--device", "cuda", "--target-model", "/x"], "pass one"),
+    (["--draft-kind", "replay"], "need --start"),
+    (["--start", "--draft-kind", "replay", "--replay-corrupt-rate", "1.5"],
+     "--replay-corrupt-rate must be in [0, 1]"),
+])
+def test_impossible_requests_are_refused_before_anything_starts(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bc.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
+    """--start --draft-kind replay records the built-in target's continuations, starts the
+    replay draft on them and sweeps; at corrupt rate 0 ON accepts the whole main path."""
+    out, table = tmp_path / "replay.json", tmp_path / "replay.md"
+    run = subprocess.run(
+        [sys.executable, "bench/bench_concurrency.py", "--start", "--draft-kind", "replay",
+         "--replay-corrupt-rate", "0", "--prompts", "fixed", "--num-prompts", "4",
+         "--concurrency", "1,2", "--repeats", "1", "--max-new-tokens", "8", "--max-context",
+         "64", "--modes", "OFF,ON,adaptive", "--out-json", str(out), "--out-md", str(table)],
+        cwd=REPO, timeout=240, capture_output=True, text=True, check=False)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "recorded 4 continuations of 16 tokens" in run.stderr  # the 4 prompts, 8 + spare
+    report = json.loads(out.read_text())
+    settings = report["settings"]
+    assert report["complete"] and settings["modes"] == ["OFF", "ON", "adaptive"]
+    assert settings["draft"] == settings["draft_model"] == "replay(records.jsonl, corrupt 0.00)"
+    depth = settings["shape"][2]
+    assert [e["concurrency"] for e in report["results"]] == [1, 2]
+    for entry in report["results"]:
+        assert set(entry["tokens_per_s"]) == {"OFF", "ON", "adaptive"}
+        assert all(len(rates) == 1 and rates[0] > 0 for rates in entry["tokens_per_s"].values())
+        (accepted,) = entry["accepted_per_verify_step"]["ON"]
+        assert accepted > 0.5 * depth, entry["accepted_per_verify_step"]  # R = 0: ~depth
+        assert entry["draft_trees"]["ON"][0] > 0 and entry["replay_misses"]["ON"] == [0]
+        assert entry["draft_trees"]["OFF"] == [0]
+    header = table.read_text().splitlines()[0]
+    assert "replay(records.jsonl, corrupt 0.00) draft" in header
+    assert f"{depth:.2f} expected at corrupt 0.00; replay misses in timed runs: 0 of" in header
