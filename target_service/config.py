@@ -24,8 +24,9 @@ class TargetConfig:
     attention_backend: str = option("auto", "attention backend; auto = flashinfer on CUDA in "
                                     "bfloat16/float16 when it is installed, else torch",
                                     ("auto", "torch", "flashinfer"))
-    cuda_graphs: bool = option(True, "capture CUDA graphs of plain decode steps for batch "
-                               "sizes up to --max-running (CUDA with the flashinfer backend)")
+    cuda_graphs: bool = option(True, "capture CUDA graphs of decode and (with a draft) "
+                               "tree-verify steps for batch sizes up to --max-running (CUDA "
+                               "with the flashinfer backend, one rank)")
     max_running: int = option(32, "sequences decoded at once")
     max_context: int = option(1024, "prompt + generated tokens per sequence")
     page_size: int = option(16, "KV-cache page size in tokens")
