@@ -89,6 +89,7 @@ from bench_speculation import (
 )
 
 from gateway.policy import AdaptivePolicy, static_policy
+from splitspec.builtin import BUILTIN_TARGET
 from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
 from splitspec.replay import record, write_records
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
@@ -512,17 +513,18 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench_concurrency_"))
     try:
         target_model = args.target_model or args.models / "target"
-        if args.random_8b:
-            target_model = build_random_8b(work)
         num = max(prompts_for(c, args.num_prompts) for c in args.concurrency)
         print(f"loading {num} {args.prompts} prompts", file=sys.stderr, flush=True)
-        prompts = load_prompts(args.prompts, target_model if args.start else args.models / "target",
+        # The random checkpoint ships the built-in tokenizer: encode before building it.
+        prompts = load_prompts(args.prompts, BUILTIN_TARGET if args.random_8b else target_model,
                                num, args.prompt_len)
         prompts = [prompts[i % len(prompts)] for i in range(num)]  # fixed: 8 prompts, cycled
         need = max(map(len, prompts)) + args.max_new_tokens + (REPLAY_SPARE if replay else 0)
         if args.max_context and need > args.max_context:
             raise SystemExit(f"--max-context {args.max_context} is below the longest prompt "
                              f"plus the tokens generated ({need}): raise it")
+        if args.random_8b:
+            target_model = build_random_8b(work)
         if args.start:
             max_running = max(32, *args.concurrency)
             context = ["--max-context", str(args.max_context)] if args.max_context else []

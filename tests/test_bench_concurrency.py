@@ -135,6 +135,13 @@ def test_impossible_requests_are_refused_before_anything_starts(argv, message, c
     assert message in capsys.readouterr().err
 
 
+def test_a_max_context_too_small_for_the_prompts_is_refused_before_anything_starts():
+    with pytest.raises(SystemExit, match=r"--max-context 32 is below the longest prompt plus "
+                                         r"the tokens generated \(\d+\)"):
+        bc.main(["--start", "--draft-kind", "replay", "--prompts", "fixed", "--max-context", "32",
+                 "--max-new-tokens", "48", "--concurrency", "1"])
+
+
 @pytest.mark.slow
 def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     """--start --draft-kind replay records the built-in target's continuations, starts the
