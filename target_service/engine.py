@@ -33,7 +33,6 @@ from splitspec.tree import (
     Tree,
     accept_tree,
     depths,
-    positions,
     tree_error,
     verify_mask,
 )
@@ -75,6 +74,13 @@ class EngineLimits:
     max_tree_nodes: int
     default_shape: common_pb2.DraftShape
     eos_ids: frozenset[int]
+
+
+class _Call(NamedTuple):
+    """A function for the engine thread to run between steps (see :meth:`Engine.call`)."""
+
+    fn: Callable[[], object]
+    reply: queue.Queue
 
 
 class _ForwardResult(NamedTuple):
@@ -187,6 +193,34 @@ class Engine:
         finally:
             self.close_stream(stream_id)
 
+    def call(self, fn: Callable[[], object], timeout_s: float = 60.0) -> object:
+        """Thread-safe: run fn on the engine thread between two steps and return its result
+        (its exception is raised here). For start-up checks that need the model itself."""
+        reply: queue.Queue = queue.Queue(maxsize=1)
+        self._inbox.put(_Call(fn, reply))
+        ok, value = reply.get(timeout=timeout_s)
+        if not ok:
+            raise value
+        return value
+
+    def last_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        """The target's logits [V] after prompt_ids, from one prefill on scratch pages."""
+
+        def prefill() -> torch.Tensor:
+            n = len(prompt_ids)
+            table = PageTable(self.page_size)
+            table.reserve(self.scheduler.pool, n)
+            try:
+                table.num_slots = n
+                logits, _ = self.runner.forward(ForwardBatch(
+                    torch.tensor(prompt_ids), torch.arange(n), [SeqAttention(table, n, n)],
+                    [n - 1]))
+            finally:
+                table.release(self.scheduler.pool)
+            return logits[0].cpu()
+
+        return self.call(prefill)
+
     # ---- the loop ---------------------------------------------------------------------
 
     def run(self, stop: threading.Event, on_crash: Callable[[BaseException], None]) -> None:
@@ -210,12 +244,24 @@ class Engine:
         except queue.Empty:
             return
         while True:
-            self._handle(*item)
+            if isinstance(item, _Call):
+                self._run_call(item)
+            else:
+                self._handle(*item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
         self._flush()  # admission errors are answered at once
+
+    @staticmethod
+    def _run_call(call: _Call) -> None:
+        try:
+            value = call.fn()
+        except Exception as exc:  # noqa: BLE001 - handed to the caller, which raises it
+            call.reply.put((False, exc))
+        else:
+            call.reply.put((True, value))
 
     def _handle(self, stream_id: int, request: target_pb2.ServeRequest | None) -> None:
         if request is None:
@@ -418,17 +464,20 @@ class Engine:
         Returns the token after every prompt, what every decoding sequence
         accepts, and the captured features.
         """
-        ids, pos, attn = [], [], []
+        ids: list[int] = []   # host lists, one tensor each at the end (a tensor per sequence
+        pos: list[int] = []   # cost more than the rest of a large batch's bookkeeping)
+        attn = []
         for seq in prefill:
             n = len(seq.prompt_ids)
-            ids.append(torch.tensor(seq.prompt_ids))
-            pos.append(torch.arange(n))
+            ids.extend(seq.prompt_ids)
+            pos.extend(range(n))
             attn.append(SeqAttention(seq.table, kv_len=n, q_len=n))
         for seq in decode:
             tree = trees.get(seq.seq_id, EMPTY_TREE)
             length = seq.num_cached
-            ids.append(torch.tensor([seq.tokens[-1], *tree.tokens]))
-            pos.append(positions(tree.parents, length))
+            ids.append(seq.tokens[-1])
+            ids.extend(tree.tokens)
+            pos.extend(length + d for d in depths(tree.parents))
             mask = verify_mask(tree.parents, length) if tree.num_nodes else None
             attn.append(SeqAttention(seq.table, kv_len=length + 1 + tree.num_nodes,
                                      q_len=1 + tree.num_nodes, mask=mask))
@@ -436,7 +485,7 @@ class Engine:
         logit_rows = [starts[i + 1] - 1 for i in range(len(prefill))]
         for i in range(len(prefill), len(attn)):
             logit_rows.extend(range(starts[i], starts[i + 1]))
-        logits, aux = self.runner.forward(ForwardBatch(torch.cat(ids), torch.cat(pos), attn,
+        logits, aux = self.runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), attn,
                                                        logit_rows, self.capture))
         with torch.inference_mode():
             prefill_tokens, accepted = self._choose(logits, prefill, decode, trees)

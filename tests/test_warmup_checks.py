@@ -1,0 +1,100 @@
+"""The target warmup's check that speculation reproduces plain decoding, exact in float32 and
+up to near-ties of the logits in bf16/fp16; and Engine.call, which runs its probes on the
+engine thread."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+import torch
+
+from splitspec.kv_cache import PagePool
+from splitspec.v1 import common_pb2
+from target_service.engine import Engine, EngineLimits
+from target_service.scheduler import Scheduler
+from target_service.startup import WARMUP_PROMPT, parting
+
+
+class Logits:
+    """An engine stand-in whose last_logits says what OFF's logits were."""
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self.row, self.asked = row, []
+
+    def last_logits(self, prompt_ids: list[int]) -> torch.Tensor:
+        self.asked.append(prompt_ids)
+        return self.row
+
+
+def row(values: dict[int, float]) -> torch.Tensor:
+    logits = torch.full((16,), -5.0)
+    for token, value in values.items():
+        logits[token] = value
+    return logits
+
+
+def test_equal_outputs_pass_in_any_precision():
+    engine = Logits(row({}))
+    assert parting(engine, "tree", [1, 2, 3], [1, 2, 3], exact=True) == ""
+    assert parting(engine, "tree", [1, 2, 3], [1, 2, 3], exact=False) == ""
+    assert engine.asked == []
+
+
+def test_float32_allows_no_difference():
+    with pytest.raises(RuntimeError, match="verification is broken"):
+        parting(Logits(row({4: 10.0, 5: 10.0})), "tree", [1, 5], [1, 4], exact=True)
+
+
+def test_low_precision_allows_a_near_tie_where_they_part():
+    engine = Logits(row({4: 10.0, 5: 9.9}))  # OFF chose 4, ON 5: 0.1 apart of 10
+    note = parting(engine, "chain", [1, 5, 7], [1, 4, 2], exact=False)
+    assert "chain parted from plain at token 1 on a near-tie" in note
+    assert engine.asked == [[*WARMUP_PROMPT, 1]]  # OFF's logits after the common prefix
+
+
+def test_low_precision_refuses_a_real_disagreement():
+    engine = Logits(row({4: 10.0, 5: 2.0}))  # ON's token is far below OFF's choice
+    with pytest.raises(RuntimeError, match="far from"):
+        parting(engine, "tree", [5, 5], [4, 2], exact=False)
+
+
+class NullRunner:
+    device = "cpu"
+    cache = types.SimpleNamespace(page_size=16)
+
+    def __init__(self) -> None:
+        self.forwards = []
+
+    def forward(self, batch):
+        self.forwards.append((batch.ids.tolist(), batch.attn[0].table.pages))
+        return torch.arange(float(len(batch.logit_rows) * 8)).view(-1, 8), None
+
+    def copy_slots(self, src, dst):
+        raise AssertionError("no compaction expected")
+
+    def stop(self):
+        pass
+
+
+def test_engine_call_runs_on_the_engine_thread_and_raises_there_errors_here():
+    runner = NullRunner()
+    pool = PagePool(8)
+    engine = Engine(runner, Scheduler(pool, 4, 8),
+                    EngineLimits(8, 64, 64, 8, common_pb2.DraftShape(), frozenset()), None, ())
+    stop = threading.Event()
+    thread = threading.Thread(target=engine.run, args=(stop, print), name="engine-loop",
+                              daemon=True)
+    thread.start()
+    try:
+        assert engine.call(lambda: threading.current_thread().name) == "engine-loop"
+        with pytest.raises(ZeroDivisionError):
+            engine.call(lambda: 1 / 0)
+        logits = engine.last_logits([3, 1, 4, 1, 5])
+        assert logits.tolist() == [float(i) for i in range(8)]
+        assert runner.forwards[0][0] == [3, 1, 4, 1, 5]
+        assert pool.num_free == 8  # the scratch pages went back
+    finally:
+        stop.set()
+        thread.join(5)
