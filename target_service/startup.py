@@ -138,7 +138,9 @@ def load_model(cfg: TargetConfig, tp: TPGroup, device: str) -> Detailed:
 def allocate_kv_cache(cfg: TargetConfig, model_cfg: LlamaConfig, tp: TP, device: str) -> Detailed:
     """This rank's KV heads for every page; every rank ends with the same page count."""
     per_seq = cfg.max_context + cfg.max_tree_nodes + 1
-    num_pages = cfg.num_pages or cfg.max_running * -(-per_seq // cfg.page_size)
+    # Room for max_running full sequences, and for the CUDA graphs' padding rows.
+    scratch = -(-(cfg.max_tree_nodes + 1) // cfg.page_size)
+    num_pages = cfg.num_pages or cfg.max_running * -(-per_seq // cfg.page_size) + scratch
     dtype = parse_dtype(cfg.dtype)
     kv_heads = layout(model_cfg, tp.group).kv_heads if tp.group.size > 1 else model_cfg.num_kv_heads
     need = KVCache.bytes_needed(model_cfg.num_layers, num_pages, cfg.page_size,
