@@ -108,6 +108,8 @@ class _Bucket:
 
     on: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # (step_s, gain) pairs
     off: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # step_s
+    on_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # batch sizes of on
+    off_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # ... and of off
     is_on: bool = True        # the decision
     probe_left: int = 0       # steps left measuring the other mode
     since_probe: int = 0
@@ -120,6 +122,12 @@ class _Bucket:
         step_on = sum(t for t, _ in self.on) / len(self.on)
         gain = sum(g for _, g in self.on) / len(self.on)
         return (1 + gain) / step_on, len(self.off) / sum(self.off)
+
+    def describe(self, on: float, off: float) -> str:
+        """The rates a decision was made on, and the batch sizes they were measured at."""
+        return (f"{on:.1f} vs {off:.1f} tok/s per sequence, measured at mean batch "
+                f"{sum(self.on_batch) / len(self.on_batch):.1f} on and "
+                f"{sum(self.off_batch) / len(self.off_batch):.1f} off")
 
 
 class AdaptivePolicy:
@@ -161,8 +169,10 @@ class AdaptivePolicy:
         bucket = self.buckets[size]
         if stats.speculated:
             bucket.on.append((stats.total_s, stats.accepted_tokens / stats.batch_size))
+            bucket.on_batch.append(stats.batch_size)
         else:
             bucket.off.append(stats.total_s)
+            bucket.off_batch.append(stats.batch_size)
         self._decide(bucket, size)
         policy = self._build()
         if policy == self._policy:
@@ -192,10 +202,10 @@ class AdaptivePolicy:
             bucket.clear_streak = bucket.clear_streak + 1 if clear else 0
         if bucket.is_on and on < off * (1 - self.margin):
             bucket.is_on, bucket.clear_streak = False, 0
-            log.info("batch <= %d: speculation off (%.1f vs %.1f tok/s per sequence)", size, on, off)
+            log.info("batch <= %d: speculation off (%s)", size, bucket.describe(on, off))
         elif not bucket.is_on and on > off * (1 + self.margin):
             bucket.is_on, bucket.clear_streak = True, 0
-            log.info("batch <= %d: speculation on (%.1f vs %.1f tok/s per sequence)", size, on, off)
+            log.info("batch <= %d: speculation on (%s)", size, bucket.describe(on, off))
 
     def _build(self) -> target_pb2.SpecPolicy:
         entries: list[target_pb2.SpecPolicy.Entry] = []
