@@ -110,7 +110,8 @@ class _Bucket:
     off: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # step_s
     on_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # batch sizes of on
     off_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # ... and of off
-    is_on: bool = True        # the decision
+    is_on: bool = True        # the decision (until decided: the nearest decided bucket's)
+    decided: bool = False     # compared both modes on its own samples at least once
     probe_left: int = 0       # steps left measuring the other mode
     since_probe: int = 0
     judge_probe: bool = False  # a probe just ended: the next comparison judges it
@@ -145,12 +146,20 @@ class AdaptivePolicy:
     workload that makes it worse is seen at once; one that makes the other mode
     better is seen at its next probe, at most ``probe_every << max_doublings``
     steps later.
+
+    A bucket that has not yet compared the modes on its own samples follows the
+    nearest bucket that has (the best mode changes slowly with the batch size),
+    and first re-measures the other mode after ``first_probe`` steps of its
+    own: buckets a workload only passes through (the tail of a wave of
+    requests) then cost nothing, where probing each on its first steps ran
+    most of those steps without speculation.
     """
 
     def __init__(self, shape: common_pb2.DraftShape, margin: float = 0.05, min_samples: int = 8,
                  probe_every: int = 100, probe_steps: int = 8, clear_factor: int = 4,
-                 max_doublings: int = 4) -> None:
+                 max_doublings: int = 4, first_probe: int = 16) -> None:
         self.shape = shape
+        self.first_probe = first_probe
         self.margin = margin
         self.clear_factor, self.max_doublings = clear_factor, max_doublings
         self.min_samples, self.probe_every, self.probe_steps = min_samples, probe_every, probe_steps
@@ -188,13 +197,16 @@ class AdaptivePolicy:
         bucket.since_probe += 1
         other = bucket.off if bucket.is_on else bucket.on
         interval = self.probe_every << min(bucket.clear_streak, self.max_doublings)
-        if len(other) < self.min_samples or bucket.since_probe >= interval:
+        if len(other) < self.min_samples:
+            interval = self.first_probe
+        if bucket.since_probe >= interval:
             bucket.probe_left = self.probe_steps  # measure the mode not in use
             bucket.since_probe = 0
             return
         if len(bucket.on) < self.min_samples or len(bucket.off) < self.min_samples:
             return
         on, off = bucket.rates()
+        bucket.decided = True
         if bucket.judge_probe:
             bucket.judge_probe = False
             current, alternative = (on, off) if bucket.is_on else (off, on)
@@ -207,7 +219,19 @@ class AdaptivePolicy:
             bucket.is_on, bucket.clear_streak = True, 0
             log.info("batch <= %d: speculation on (%s)", size, bucket.describe(on, off))
 
+    def _follow_neighbours(self) -> None:
+        """Undecided buckets take the decision of the nearest decided one (the smaller on a
+        tie); with none decided, they stay on."""
+        decided = [i for i, b in enumerate(self.buckets.values()) if b.decided]
+        if not decided:
+            return
+        buckets = list(self.buckets.values())
+        for i, bucket in enumerate(buckets):
+            if not bucket.decided:
+                bucket.is_on = buckets[min(decided, key=lambda j: (abs(j - i), j))].is_on
+
     def _build(self) -> target_pb2.SpecPolicy:
+        self._follow_neighbours()
         entries: list[target_pb2.SpecPolicy.Entry] = []
         for size, bucket in self.buckets.items():
             speculate = bucket.is_on != (bucket.probe_left > 0)

@@ -124,3 +124,33 @@ def test_adaptive_backoff_resets_when_the_call_gets_close():
     assert policy.buckets[1].clear_streak >= policy.max_doublings
     run(policy, 1, on_s=0.010, off_s=0.0055, gain=1, steps=4000)
     assert policy.buckets[1].is_on and policy.buckets[1].clear_streak == 0
+
+
+def test_buckets_passed_through_follow_the_nearest_decided_one():
+    """The tail of a wave of requests walks through smaller batches for a few steps each: they
+    follow the bucket that decided (no speculation-off probes on their first steps), both
+    when it decided on and when it decided off."""
+    for on_s, gain, want_on in ((0.010, 2.0, True), (0.030, 0.2, False)):
+        policy = AdaptivePolicy(DEFAULT)
+        run(policy, 64, on_s=on_s, off_s=0.010, gain=gain, steps=200)
+        assert policy.buckets[64].decided and policy.buckets[64].is_on == want_on
+        off_steps = 0
+        for batch in (40, 20, 10, 5, 3, 2, 1):
+            for _ in range(5):
+                speculate = speculates(policy, batch)
+                off_steps += not speculate
+                policy.observe(step(batch, speculate, on_s if speculate else 0.010,
+                                    round(gain * batch) if speculate else 0))
+        assert off_steps == (0 if want_on else 35), off_steps
+        assert not policy.buckets[8].decided and policy.buckets[8].is_on == want_on
+
+
+def test_a_new_bucket_measures_the_other_mode_after_its_first_steps():
+    policy = AdaptivePolicy(DEFAULT, first_probe=16)
+    modes = []
+    for _ in range(40):
+        speculate = speculates(policy, 1)
+        modes.append(speculate)
+        policy.observe(step(1, speculate, 0.010 if speculate else 0.005, 3 if speculate else 0))
+    assert modes[:16] == [True] * 16 and modes[16:24] == [False] * 8 and all(modes[24:])
+    assert policy.buckets[1].decided
