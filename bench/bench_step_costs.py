@@ -45,9 +45,8 @@ from splitspec.cuda_graphs import StepGraphs
 from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.config import Eagle3Config, LlamaConfig, read_hf_config
 from splitspec.model.eagle3 import Eagle3Head
-from splitspec.model.layers import Rotary, rope_inv_freq
 from splitspec.model.llama import LlamaForCausalLM
-from splitspec.model.loader import parse_dtype
+from splitspec.model.loader import allocate, finish, parse_dtype
 from splitspec.tree import positions, verify_mask
 from target_service.runner import ForwardBatch, ModelRunner
 
@@ -58,19 +57,16 @@ TREE_PARENTS = {8: [0, 0, 0, 0, 1, 1, 5, 7]}  # 4 children of the root, a branch
 
 
 def random_module(module: torch.nn.Module, dtype: torch.dtype, device: str) -> torch.nn.Module:
-    """Random weights (normal, std 0.02; norms 1) in place, on the device, in dtype."""
-    module = module.to(dtype=dtype).to_empty(device=device)
+    """Random weights (normal, std 0.02; norms 1) for a module built on the meta device,
+    allocated and finished as the loader does."""
+    module = allocate(module, dtype, device)
     with torch.no_grad():
         for name, param in module.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, 0.02)
-    for sub in module.modules():
-        if isinstance(sub, Rotary):
-            cfg = module.config.layer if isinstance(module.config, Eagle3Config) else module.config
-            sub.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
-    return module.eval()
+    return finish(module, dtype, device)
 
 
 def configs(shape: str) -> tuple[dict, dict]:

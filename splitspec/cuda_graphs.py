@@ -20,7 +20,6 @@ returned.
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -29,6 +28,7 @@ import torch
 
 from splitspec.attention.base import SeqAttention
 from splitspec.attention.flashinfer_backend import (
+    WORKSPACE_BYTES,
     AttentionShape,
     FlashInferMetadata,
     PagedLayout,
@@ -40,10 +40,7 @@ from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.llama import LlamaForCausalLM
 
-log = logging.getLogger(__name__)
-
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-WORKSPACE_BYTES = 128 << 20
 
 
 def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:

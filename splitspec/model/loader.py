@@ -57,7 +57,7 @@ def iter_tensors(model_dir: Path, desc: str, plan: dict[str, Shard] | None = Non
                     yield name, part[tuple(index)]
 
 
-def _empty(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+def allocate(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
     """Storage for a module built on the meta device, already in its final dtype and place,
     so a checkpoint is copied into it tensor by tensor (no full copy in host memory)."""
     return module.to(dtype=dtype).to_empty(device=device)
@@ -95,14 +95,14 @@ def load_llama(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
     cfg = LlamaConfig.from_hf(read_hf_config(model_dir))
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
-    model = _empty(model, dtype, device)
+    model = allocate(model, dtype, device)
     where = f" (rank {tp.rank} of {tp.size})" if tp.size > 1 else ""
     tensors = iter_tensors(model_dir, f"loading {Path(model_dir).name}{where}", shard_plan(cfg, tp))
     optional = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     loaded = _load_into(model, tensors, model_dir, optional)
     if "lm_head.weight" not in loaded:
         model.lm_head.weight = model.model.embed_tokens.weight
-    return _finish(model, dtype, device)
+    return finish(model, dtype, device)
 
 
 def load_eagle3(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
@@ -111,7 +111,7 @@ def load_eagle3(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
     cfg = Eagle3Config.from_hf(read_hf_config(model_dir))
     with torch.device("meta"):
         head = Eagle3Head(cfg)
-    head = _empty(head, dtype, device)
+    head = allocate(head, dtype, device)
 
     def renamed() -> Iterator[tuple[str, torch.Tensor]]:
         has_embedding = False
@@ -130,10 +130,10 @@ def load_eagle3(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
     if "d2t" not in loaded:  # draft vocabulary == target vocabulary
         head.d2t.zero_()
         head.t2d.fill_(True)
-    return _finish(head, dtype, device)
+    return finish(head, dtype, device)
 
 
-def _finish(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
+def finish(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
     """Cast and move; recompute rotary frequencies in float32 (meta construction left them empty)."""
     module = module.to(device=device, dtype=dtype).eval()
     cfg = _owner_config(module)
