@@ -14,12 +14,11 @@ table is truncated.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 
 import torch
 
-_HAS_TRITON = importlib.util.find_spec("triton") is not None
+from splitspec.kernels import HAS_TRITON
 
 
 class OutOfPages(RuntimeError):
@@ -116,6 +115,11 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, H_kv, D]) at global slots [T]."""
+        if self.data.is_cuda and HAS_TRITON:  # one kernel for K and V
+            from splitspec.kernels.fused_ops import store_kv
+
+            store_kv(self.data[layer], slots, k, v)
+            return
         pool = self.data[layer]
         pages, offsets = slots // self.page_size, slots % self.page_size
         pool[pages, 0, offsets] = k.to(pool.dtype)
@@ -127,7 +131,7 @@ class KVCache:
         Reads all sources before writing, so overlapping src/dst are safe. On CUDA one
         Triton kernel does it (splitspec/kernels/kv_compact.py); elsewhere torch does.
         """
-        if self.data.is_cuda and _HAS_TRITON:
+        if self.data.is_cuda and HAS_TRITON:
             from splitspec.kernels.kv_compact import compact_kv
 
             compact_kv(self.data, src, dst)

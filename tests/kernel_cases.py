@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from splitspec.kernels.kv_compact import compact_kv
@@ -37,3 +39,86 @@ def run(device: str) -> None:
     # nothing to move
     check(device, 1, 2, 4, 1, 32, torch.float32, [], [])
     assert changed == 4
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str,
+          scale: torch.Tensor | None = None) -> None:
+    """Equal in float32 up to float rounding; in bf16/fp16 at most one rounding step apart
+    (the kernels compute in float32 where torch rounds some intermediates), or three in the
+    interpreter, which truncates where compiled kernels round."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=what)
+    else:
+        size = want.float().abs() if scale is None else scale.float().abs()
+        step = torch.finfo(got.dtype).eps * size.clamp_min(1e-2)
+        diff = (got.float() - want.float()).abs()
+        assert bool((diff <= (3 if INTERPRETED else 2) * step + 1e-3).all()), f"{what}: max diff {diff.max():.3g}"
+
+
+def check_fused(device: str, dtype: torch.dtype, tokens: int, hidden: int, heads: int,
+                kv_heads: int, head_dim: int) -> None:
+    """Every kernel of splitspec.kernels.fused_ops against the torch form it replaces."""
+    from splitspec.kernels import fused_ops
+    from splitspec.model.config import RopeConfig
+    from splitspec.model.layers import RMSNorm, Rotary, rope_inv_freq
+
+    gen = torch.Generator().manual_seed(tokens * 7 + hidden)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    norm = RMSNorm(hidden, 0.1)  # an eps large enough to matter.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(rand(hidden))
+    x, residual = rand(tokens, hidden), rand(tokens, hidden)
+    for name, t in (("weight", norm.weight), ("x", x)):
+        assert t.device.type == torch.device(device).type, (name, t.device, t.data_ptr())
+    close(fused_ops.rms_norm(x, norm.weight, norm.eps), norm(x), "rms_norm")
+    normed, summed = fused_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    if INTERPRETED:  # the interpreter truncates float32 -> bf16; compiled kernels round
+        close(summed, residual + x, "add_rms_norm's residual")
+    else:
+        assert torch.equal(summed, residual + x), "add_rms_norm's residual"
+    close(normed, norm(residual + x), "add_rms_norm")
+
+    inter = 3 * hidden + 5  # not a multiple of the kernel's block
+    gate_up = rand(tokens, 2 * inter)
+    close(fused_ops.silu_mul(gate_up),
+          torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:], "silu_mul")
+
+    rope = RopeConfig(theta=500000.0, kind="llama3", factor=8.0, low_freq_factor=1.0,
+                      high_freq_factor=4.0, original_max_position=8192)
+    rotary = Rotary(rope, head_dim).to(device)
+    rotary.inv_freq = rope_inv_freq(rope, head_dim).to(device)
+    width = (heads + 2 * kv_heads) * head_dim   # q, k, v as views of one fused projection
+    qkv = rand(tokens, width)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 20000, (tokens,), generator=gen).to(device)
+    want_q, want_k = rotary(q.clone(), k.clone(), positions)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    got_q = fused_ops.rope(q, k, positions, rotary.inv_freq)
+    assert got_q.is_contiguous()
+    # a rotation's products are as large as its inputs however small their sum
+    close(got_q, want_q, "rope q", scale=q.abs().amax(-1, keepdim=True))
+    close(k, want_k, "rope k (in place)", scale=want_k.abs().amax(-1, keepdim=True))
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before), "rope touched v"
+
+    cache = KVCache(2, 6, 4, kv_heads, head_dim, dtype, device)
+    want = cache.data.clone()
+    slots = torch.randperm(24, generator=gen)[:tokens].to(device)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    want[1, slots // 4, 0, slots % 4] = k
+    want[1, slots // 4, 1, slots % 4] = v
+    fused_ops.store_kv(cache.data[1], slots, k, v)
+    assert torch.equal(cache.data, want), "store_kv"
+
+
+def run_fused(device: str) -> None:
+    check_fused(device, torch.float32, 5, 96, 4, 2, 16)
+    check_fused(device, torch.bfloat16, 7, 256, 8, 2, 32)
+    check_fused(device, torch.float16, 1, 64, 2, 2, 64)
+    check_fused(device, torch.bfloat16, 3, 4096, 32, 8, 128)  # Llama-3.1-8B's widths

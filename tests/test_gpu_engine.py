@@ -221,3 +221,41 @@ def test_speculation_agrees_with_plain_decoding_in_bf16(tmp_path):
     print(f"ON vs OFF identical greedy tokens (bf16): {shares['tp1 ON']}")
     assert shares["tp1 OFF"]["identical_tokens"] == 1.0
     assert shares["tp1 ON"]["identical_tokens"] >= 0.8
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_kernels_match_the_torch_layers(dtype):
+    """The built-in target with its norms, rotary, activation and KV store as Triton kernels
+    (the default on CUDA) against the same weights through the torch forms: a prompt, then a
+    tree over it."""
+    from splitspec.model.layers import use_fused_kernels
+
+    model = load_llama(BUILTIN_TARGET, dtype, "cuda")
+    assert model.model.norm.kernels is not None  # on by default on CUDA
+    cfg = model.config
+    backend = TorchAttentionBackend()
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    parents = [0, 0, 1, 1, 2]
+    tree_ids = torch.randint(0, cfg.vocab_size, (6,), generator=torch.Generator().manual_seed(4))
+    results = []
+    for fused in (True, False):
+        use_fused_kernels(model, fused)
+        cache = KVCache(cfg.num_layers, 8, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, "cuda")
+        table = PageTable(PAGE)
+        table.reserve(PagePool(8), 64)
+        logits = []
+        with torch.inference_mode():
+            for ids, pos, attn in (
+                    (prompt, torch.arange(40), SeqAttention(table, 40, 40)),
+                    (tree_ids, positions(parents, 40), SeqAttention(table, 46, 6,
+                                                                    verify_mask(parents, 40)))):
+                ctx = AttentionContext(backend, backend.plan([attn], "cuda"), cache)
+                out = model(ids.cuda(), pos.cuda(), ctx)
+                logits.append(model.compute_logits(out.hidden))
+        results.append(torch.cat(logits))
+    fused, plain = results
+    error = (fused - plain).abs().max().item() / plain.abs().max().item()
+    agree = (fused.argmax(-1) == plain.argmax(-1)).float().mean().item()
+    print(f"{dtype}: max error {error:.2e} of the largest logit, argmax agreement {agree:.3f}")
+    assert error < (1e-4 if dtype == torch.float32 else 3e-2), error
+    assert agree >= (1.0 if dtype == torch.float32 else 0.9), agree

@@ -19,18 +19,22 @@ pytest.importorskip("triton")
 
 REPO = Path(__file__).resolve().parent.parent
 
-def test_kv_compaction_kernel_matches_torch_in_the_interpreter():
-    code = "from tests.kernel_cases import run; run('cpu'); print('ok')"
+
+@pytest.mark.parametrize("cases", ["run", "run_fused"])
+def test_kernels_match_torch_in_the_interpreter(cases):
+    """run: KV compaction; run_fused: norms, rotary, SiLU-and-multiply, the KV store."""
+    code = f"from tests.kernel_cases import {cases}; {cases}('cpu'); print('ok')"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
 @pytest.mark.gpu
-def test_kv_compaction_kernel_matches_torch_on_the_gpu():
-    from tests.kernel_cases import run
+@pytest.mark.parametrize("cases", ["run", "run_fused"])
+def test_kernels_match_torch_on_the_gpu(cases):
+    import tests.kernel_cases
 
-    run("cuda")
+    getattr(tests.kernel_cases, cases)("cuda")
 
 
 def test_bad_slot_lists_are_refused():

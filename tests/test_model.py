@@ -112,3 +112,27 @@ def test_eagle3_aux_layer_convention():
     explicit = {**cfg, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}
     # SGLang / SpecForge convention: ids name layer outputs, i.e. inputs of id + 1.
     assert Eagle3Config.from_hf(explicit).aux_layer_inputs(32) == (2, 16, 29)
+
+
+def test_fused_projections_are_views_of_the_checkpoint_weights(models):
+    """q/k/v and gate/up run as one GEMM each over a concatenated weight; the per-projection
+    parameters (the state dict, what TP shards and tests read) are views of it, and the
+    values are the checkpoint's."""
+    from safetensors.torch import load_file
+
+    ours, _ = models
+    stored = {}
+    for path in sorted(BUILTIN_TARGET.glob("*.safetensors")):
+        stored.update(load_file(path))
+    attn, mlp = ours.model.layers[1].self_attn, ours.model.layers[1].mlp
+    assert attn.qkv is not None and mlp.gate_up is not None
+    for name, param, fused in (("self_attn.q_proj", attn.q_proj.weight, attn.qkv),
+                               ("self_attn.v_proj", attn.v_proj.weight, attn.qkv),
+                               ("mlp.up_proj", mlp.up_proj.weight, mlp.gate_up)):
+        assert param.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr(), name
+        assert torch.equal(param, stored[f"model.layers.1.{name}.weight"].float()), name
+    assert torch.equal(attn.qkv[-attn.v_proj.weight.shape[0]:], attn.v_proj.weight)
+    with torch.no_grad():  # a change through the view reaches the fused GEMM
+        attn.k_proj.weight[0, 0] += 1.0
+        assert attn.qkv[attn.q_proj.weight.shape[0], 0] == attn.k_proj.weight[0, 0]
+        attn.k_proj.weight[0, 0] -= 1.0

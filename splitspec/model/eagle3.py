@@ -39,8 +39,9 @@ class Eagle3Layer(nn.Module):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        h = hidden + self.self_attn(x, positions, 0, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(x, positions, 0, ctx)
+        x, h = self.post_attention_layernorm.add_forward(attn, hidden)
+        return h + self.mlp(x)
 
 
 class Eagle3Head(nn.Module):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -25,16 +26,28 @@ class AttentionContext:
 
 
 class RMSNorm(nn.Module):
+    kernels: ModuleType | None = None  # set by use_fused_kernels: one Triton kernel, not six
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this norm of residual + x, residual + x): a residual add and the norm after it."""
+        if self.kernels is not None:
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        summed = residual + x
+        return self(summed), summed
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -55,6 +68,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
+    kernels: ModuleType | None = None  # set by use_fused_kernels
+
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(rope, head_dim), persistent=False)
@@ -62,6 +77,8 @@ class Rotary(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, H, D], k: [T, H_kv, D], positions: [T]
+        if self.kernels is not None:  # q rotated into a new contiguous tensor, k in place
+            return self.kernels.rope(q, k, positions, self.inv_freq), k
         freqs = positions.float()[:, None] * self.inv_freq[None, :]       # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos()[:, None, :].to(q.dtype), emb.sin()[:, None, :].to(q.dtype)
@@ -90,19 +107,31 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(in_features, self.num_kv_heads * cfg.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        self.qkv: torch.Tensor | None = None  # set by fuse_weights
+
+    def fuse_weights(self) -> None:
+        """One GEMM for q, k and v: the three weights become views of one [q+2kv, in]."""
+        self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int,
                 ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv is not None:
+            q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = nn.functional.linear(x, self.qkv).split([q_width, kv_width, kv_width], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(q, k, positions)
         out = ctx.backend.forward(ctx.layer_offset + layer, q, k, v, ctx.meta, ctx.cache)
         return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
 
 
 class LlamaMLP(nn.Module):
+    kernels: ModuleType | None = None  # set by use_fused_kernels (SiLU-and-multiply)
+
     def __init__(self, cfg: LlamaConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.tp = tp
@@ -110,10 +139,47 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, stop - start, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, stop - start, bias=False)
         self.down_proj = nn.Linear(stop - start, cfg.hidden_size, bias=False)
+        self.gate_up: torch.Tensor | None = None  # set by fuse_weights
+
+    def fuse_weights(self) -> None:
+        """One GEMM for gate and up: their weights become views of one [2I, H]."""
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(
-            self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
+        if self.gate_up is None:
+            act = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            gate_up = nn.functional.linear(x, self.gate_up)
+            if self.kernels is not None:
+                act = self.kernels.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = nn.functional.silu(gate) * up
+        return self.tp.all_reduce(self.down_proj(act))
+
+
+def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    """Concatenate bias-free linears' weights (by output rows) into one tensor and make each
+    linear's weight a view of its rows, so the state dict and the fused GEMM share storage."""
+    with torch.no_grad():
+        fused = torch.cat([lin.weight for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight = nn.Parameter(fused[start:start + rows], requires_grad=lin.weight.requires_grad)
+        start += rows
+    return fused
+
+
+def use_fused_kernels(module: nn.Module, on: bool = True) -> None:
+    """Route every norm, rotary embedding and MLP activation of module through the Triton
+    kernels of splitspec.kernels.fused_ops (CUDA, needs triton), or back to torch."""
+    kernels = None
+    if on:
+        from splitspec.kernels import fused_ops as kernels
+    for sub in module.modules():
+        if isinstance(sub, (RMSNorm, Rotary, LlamaMLP)):
+            sub.kernels = kernels
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -126,5 +192,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, self.layer, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        attn = self.self_attn(self.input_layernorm(h), positions, self.layer, ctx)
+        x, h = self.post_attention_layernorm.add_forward(attn, h)
+        return h + self.mlp(x)

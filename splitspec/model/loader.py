@@ -11,9 +11,16 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from splitspec.kernels import HAS_TRITON
 from splitspec.model.config import Eagle3Config, LlamaConfig, read_hf_config
 from splitspec.model.eagle3 import Eagle3Head
-from splitspec.model.layers import Rotary, rope_inv_freq
+from splitspec.model.layers import (
+    LlamaAttention,
+    LlamaMLP,
+    Rotary,
+    rope_inv_freq,
+    use_fused_kernels,
+)
 from splitspec.model.llama import LlamaForCausalLM
 from splitspec.model.parallel import SINGLE, WHOLE, Shard, TPGroup, shard_plan
 
@@ -133,13 +140,21 @@ def load_eagle3(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
     return finish(head, dtype, device)
 
 
-def finish(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    """Cast and move; recompute rotary frequencies in float32 (meta construction left them empty)."""
+def finish(module: nn.Module, dtype: torch.dtype, device: str | torch.device,
+           fused_kernels: bool | None = None) -> nn.Module:
+    """Cast and move; recompute rotary frequencies in float32 (meta construction left them
+    empty); fuse the q/k/v and gate/up weights into one GEMM each; and on CUDA (or as
+    fused_kernels says) run norms, rotary and the MLP activation as Triton kernels."""
     module = module.to(device=device, dtype=dtype).eval()
     cfg = _owner_config(module)
     for sub in module.modules():
         if isinstance(sub, Rotary):
             sub.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
+        if isinstance(sub, (LlamaAttention, LlamaMLP)):
+            sub.fuse_weights()
+    if fused_kernels is None:
+        fused_kernels = str(device).startswith("cuda") and HAS_TRITON
+    use_fused_kernels(module, fused_kernels)
     return module
 
 
