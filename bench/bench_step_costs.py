@@ -45,6 +45,7 @@ from splitspec.cuda_graphs import StepGraphs
 from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.config import Eagle3Config, LlamaConfig, read_hf_config
 from splitspec.model.eagle3 import Eagle3Head
+from splitspec.model.layers import use_fused_kernels
 from splitspec.model.llama import LlamaForCausalLM
 from splitspec.model.loader import allocate, finish, parse_dtype
 from splitspec.tree import positions, verify_mask
@@ -90,6 +91,28 @@ def timed(fn: Callable[[], object], warmup: int, iters: int, device: str) -> lis
     return times
 
 
+def profiled(fn: Callable[[], object], calls: int, out: Path | None, name: str, device: str) -> None:
+    """With --profile: torch.profiler over calls calls of fn, tables by device and host time."""
+    if out is None:
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+    out.mkdir(parents=True, exist_ok=True)
+    averages = prof.key_averages()
+    tables = [f"{name}: {calls} calls", averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if device.startswith("cuda"):
+        tables.append(averages.table(sort_by="self_cuda_time_total", row_limit=40))
+    (out / f"{name}.txt").write_text("\n\n".join(tables))
+
+
 def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype) -> dict:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -124,15 +147,31 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
     result = {"parameters": params, "backend": name, "graphs": graphs is not None,
               "floor_ms": 1000 * params * torch.empty((), dtype=dtype).element_size()
               / (BANDWIDTH_TB_S * 1e12)}
-    # With graphs, the eager calls too (suffix _eager), interleaved in one run.
-    for engine in (("", graphs), ("_eager", None)) if graphs is not None else (("", None),):
-        suffix, runner.graphs = engine
+    # With graphs, the eager calls too (suffix _eager); with --torch-ops-too, graphs of the
+    # model with torch's norms/rotary/activation instead of the Triton kernels.
+    engines = [("", graphs), ("_eager", None)] if graphs is not None else [("", None)]
+    if args.torch_ops_too and graphs is not None:
+        engines.append(("_torch_ops", None))
+    for suffix, runner.graphs in engines:
+        if suffix == "_torch_ops":
+            use_fused_kernels(model, False)
+            scratch = pool.allocate(-(-(args.tree_nodes + 1) // PAGE))
+            runner.graphs = StepGraphs(model, cache, shape, scratch, args.context + 64,
+                                       args.device)
+            runner.graphs.capture((1,), (1, args.tree_nodes + 1), ((),))
         for key, batch in (("decode", decode), ("verify", verify)):
             name_ms = f"{key}{suffix}_ms"
             result[name_ms] = timed(lambda b=batch: runner.forward(b), args.warmup, args.iters,
                                     args.device)
             print(f"target {key}{suffix}: median {statistics.median(result[name_ms]):.3f} ms",
                   flush=True)
+            profiled(lambda b=batch: runner.forward(b), 5, args.profile, f"{key}{suffix}",
+                     args.device)
+    if graphs is not None:  # the device's share: the decode graph replayed alone
+        graph = graphs.graphs[graphs.key_for(decode.attn, decode.logit_rows, ())].graph
+        result["decode_replay_ms"] = timed(graph.replay, args.warmup, args.iters, args.device)
+        print(f"target decode graph replay alone: median "
+              f"{statistics.median(result['decode_replay_ms']):.3f} ms", flush=True)
     return result
 
 
@@ -170,6 +209,7 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
         where[0] += 1
 
     times = timed(step, args.warmup, args.iters, args.device)
+    profiled(step, 5, args.profile, "draft", args.device)
     print(f"draft tree ({args.tree_nodes}/{args.topk}/{args.depth}): median "
           f"{statistics.median(times):.3f} ms", flush=True)
     return {"backend": name, "draft_ms": times, "target_layers": target_layers}
@@ -190,6 +230,10 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out-json", type=Path)
+    parser.add_argument("--torch-ops-too", action="store_true", help="also time the target "
+                        "with torch's norms/rotary/activation (graphs recaptured)")
+    parser.add_argument("--profile", type=Path, help="write torch.profiler tables of each call "
+                        "here (5 calls each, after the timing)")
     args = parser.parse_args()
     dtype = parse_dtype(args.dtype)
     target_hf, eagle_hf = configs(args.shape)
@@ -210,6 +254,9 @@ def main() -> int:
         "share_of_floor_speed": result["target"]["floor_ms"] / decode,
         "verify_over_decode": statistics.median(result["target"]["verify_ms"]) / decode,
         "draft_over_decode": statistics.median(result["draft"]["draft_ms"]) / decode}
+    if "decode_torch_ops_ms" in result["target"]:
+        result["summary"]["decode_torch_ops_over_decode"] = statistics.median(
+            result["target"]["decode_torch_ops_ms"]) / decode
     print(json.dumps(result["summary"], indent=1))
     if args.out_json:
         args.out_json.parent.mkdir(parents=True, exist_ok=True)
