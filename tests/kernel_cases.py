@@ -70,7 +70,7 @@ def check_fused(device: str, dtype: torch.dtype, tokens: int, hidden: int, heads
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen).to(dtype).to(device)
 
-    norm = RMSNorm(hidden, 0.1)  # an eps large enough to matter.to(device=device, dtype=dtype)
+    norm = RMSNorm(hidden, 0.1).to(device=device, dtype=dtype)  # an eps large enough to matter
     with torch.no_grad():
         norm.weight.copy_(rand(hidden))
     x, residual = rand(tokens, hidden), rand(tokens, hidden)
