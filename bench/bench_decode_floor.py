@@ -44,19 +44,38 @@ LLAMA_31_8B = {
 BANDWIDTH_TB_S = 4.5  # measured weight-read rate of an H200 at batch 1 (../shared/GPU.md)
 
 
-def random_checkpoint(folder: Path) -> int:
-    """Write the random bf16 checkpoint; returns its parameter count."""
+def random_checkpoint(folder: Path, hf_config: dict = LLAMA_31_8B, device: str = "cuda") -> int:
+    """Write the random bf16 checkpoint; returns its parameter count.
+
+    The weights are random but shaped so that greedy decoding is not a string of near-ties
+    (which bf16 rounding, batch size and kernel choice would flip, so that no recorded
+    continuation could be replayed): embeddings are N(0, 1), the layers' output
+    projections (o_proj, down_proj) are scaled to std 1e-4 so the residual stream stays
+    close to the token's embedding, and lm_head's rows are the embeddings in a fixed
+    random order. The next token is then a fixed map of the current one, by a wide
+    margin. Speed does not depend on the values: every layer runs and every weight is read.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(LlamaConfig(**LLAMA_31_8B)).to(torch.bfloat16)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**hf_config))
+        with torch.no_grad():
+            embed = model.model.embed_tokens.weight
+            embed.normal_(0.0, 1.0)
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.mul_(0.005)
+                layer.mlp.down_proj.weight.mul_(0.005)
+            order = torch.randperm(embed.shape[0], device=device)
+            model.lm_head.weight.copy_(embed[order])
+        model = model.to(torch.bfloat16)
     model.save_pretrained(folder)
     shutil.copy(BUILTIN_TARGET / TOKENIZER_FILE, folder / TOKENIZER_FILE)
     count = sum(p.numel() for p in model.parameters())
     del model
-    torch.cuda.empty_cache()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
     return count
 
 
