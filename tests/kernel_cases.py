@@ -84,6 +84,11 @@ def check_fused(device: str, dtype: torch.dtype, tokens: int, hidden: int, heads
         assert torch.equal(summed, residual + x), "add_rms_norm's residual"
     close(normed, norm(residual + x), "add_rms_norm")
 
+    batched = rand(2, tokens, hidden)  # leading dimensions, and a strided (transposed) input
+    close(fused_ops.rms_norm(batched, norm.weight, norm.eps), norm(batched), "rms_norm [B, T, H]")
+    strided = rand(hidden, tokens).t()
+    close(fused_ops.rms_norm(strided, norm.weight, norm.eps), norm(strided), "rms_norm strided")
+
     inter = 3 * hidden + 5  # not a multiple of the kernel's block
     gate_up = rand(tokens, 2 * inter)
     close(fused_ops.silu_mul(gate_up),

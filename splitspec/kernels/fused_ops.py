@@ -44,34 +44,33 @@ def _norm_kernel(x, residual, weight, out, residual_out, eps, N: tl.constexpr,
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    if x.dim() != 2 or not x.is_contiguous():
-        raise ValueError(f"expected a contiguous [T, H] tensor, got {tuple(x.shape)} "
-                         f"(contiguous: {x.is_contiguous()})")
-    return x
+    """x [..., H] as a contiguous [T, H] (a view when x is contiguous already)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * normalise(x) over the last dimension of x [T, H]."""
-    _rows(x)
-    out = torch.empty_like(x)
-    if x.shape[0]:
-        n = x.shape[1]
-        _norm_kernel[(x.shape[0],)](x, x, weight, out, out, eps, N=n,
-                                    BLOCK=triton.next_power_of_2(n), ADD=False)
-    return out
+    """weight * normalise(x) over the last dimension of x [..., H]."""
+    rows = _rows(x)
+    out = torch.empty_like(rows)
+    if rows.shape[0]:
+        n = rows.shape[1]
+        _norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, eps, N=n,
+                                       BLOCK=triton.next_power_of_2(n), ADD=False)
+    return out.view(x.shape)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weight * normalise(residual + x), residual + x) for x, residual [T, H]."""
-    _rows(x)
-    _rows(residual)
-    out, summed = torch.empty_like(x), torch.empty_like(residual)
-    if x.shape[0]:
-        n = x.shape[1]
-        _norm_kernel[(x.shape[0],)](x, residual, weight, out, summed, eps, N=n,
-                                    BLOCK=triton.next_power_of_2(n), ADD=True)
-    return out, summed
+    """(weight * normalise(residual + x), residual + x) for x, residual [..., H]."""
+    if x.shape != residual.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
+    rows, residual_rows = _rows(x), _rows(residual)
+    out, summed = torch.empty_like(rows), torch.empty_like(residual_rows)
+    if rows.shape[0]:
+        n = rows.shape[1]
+        _norm_kernel[(rows.shape[0],)](rows, residual_rows, weight, out, summed, eps, N=n,
+                                       BLOCK=triton.next_power_of_2(n), ADD=True)
+    return out.view(x.shape), summed.view(x.shape)
 
 
 @triton.jit
@@ -86,15 +85,15 @@ def _silu_mul_kernel(gate_up, out, N: tl.constexpr, BLOCK: tl.constexpr):
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for gate_up [T, 2I] (gate first): [T, I]."""
-    _rows(gate_up)
-    t, width = gate_up.shape
-    out = torch.empty(t, width // 2, dtype=gate_up.dtype, device=gate_up.device)
+    """silu(gate) * up for gate_up [..., 2I] (gate first): [..., I]."""
+    rows = _rows(gate_up)
+    t, width = rows.shape
+    out = torch.empty(t, width // 2, dtype=rows.dtype, device=rows.device)
     if t:
         block = 1024
-        _silu_mul_kernel[(t, triton.cdiv(width // 2, block))](gate_up, out, N=width // 2,
+        _silu_mul_kernel[(t, triton.cdiv(width // 2, block))](rows, out, N=width // 2,
                                                               BLOCK=block)
-    return out
+    return out.view(*gate_up.shape[:-1], width // 2)
 
 
 @triton.jit
