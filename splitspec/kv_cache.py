@@ -100,6 +100,14 @@ class KVCache:
         # data: [L, num_pages, 2, page_size, H_kv, D]
         self.data = torch.zeros(num_layers, num_pages, 2, page_size, num_kv_heads, head_dim,
                                 dtype=dtype, device=device)
+        # On CUDA the store and the compaction are one Triton kernel each (chosen once here,
+        # not on every layer of every step); elsewhere the torch forms below run.
+        self._store_kv = self._compact_kv = None
+        if self.data.is_cuda and HAS_TRITON:
+            from splitspec.kernels.fused_ops import store_kv
+            from splitspec.kernels.kv_compact import compact_kv
+
+            self._store_kv, self._compact_kv = store_kv, compact_kv
 
     @staticmethod
     def bytes_needed(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -115,10 +123,8 @@ class KVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v ([T, H_kv, D]) at global slots [T]."""
-        if self.data.is_cuda and HAS_TRITON:  # one kernel for K and V
-            from splitspec.kernels.fused_ops import store_kv
-
-            store_kv(self.data[layer], slots, k, v)
+        if self._store_kv is not None:
+            self._store_kv(self.data[layer], slots, k, v)
             return
         pool = self.data[layer]
         pages, offsets = slots // self.page_size, slots % self.page_size
@@ -131,10 +137,8 @@ class KVCache:
         Reads all sources before writing, so overlapping src/dst are safe. On CUDA one
         Triton kernel does it (splitspec/kernels/kv_compact.py); elsewhere torch does.
         """
-        if self.data.is_cuda and HAS_TRITON:
-            from splitspec.kernels.kv_compact import compact_kv
-
-            compact_kv(self.data, src, dst)
+        if self._compact_kv is not None:
+            self._compact_kv(self.data, src, dst)
         else:
             self.copy_slots_torch(src, dst)
 
