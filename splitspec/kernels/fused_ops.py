@@ -96,10 +96,18 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], width // 2)
 
 
+def _check_heads(**tensors: torch.Tensor) -> None:
+    """[T, H, D] tensors whose rows may be strided (views into a fused projection) but whose
+    heads lie contiguous within a row, as the kernels index them."""
+    for name, x in tensors.items():
+        if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+            raise ValueError(f"{name} {tuple(x.shape)} must be [T, H, D] with each token's "
+                             "heads contiguous")
+
+
 @triton.jit
 def _rope_kernel(q, k, q_out, positions, inv_freq, q_row_stride, k_row_stride,
-                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK)
@@ -131,23 +139,19 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     fused QKV projection (rows strided, each row's heads contiguous)."""
     t, heads, dim = q.shape
     kv_heads = k.shape[1]
-    for name, x in (("q", q), ("k", k)):
-        if x.stride(2) != 1 or x.stride(1) != dim:
-            raise ValueError(f"{name}'s heads must be contiguous within a token row")
+    _check_heads(q=q, k=k)
     if inv_freq.dtype != torch.float32 or inv_freq.numel() * 2 != dim:
         raise ValueError(f"inv_freq must be float32 [{dim // 2}]")
     q_out = torch.empty(t, heads, dim, dtype=q.dtype, device=q.device)
     if t:
         _rope_kernel[(t, heads + kv_heads)](q, k, q_out, positions, inv_freq, q.stride(0),
-                                            k.stride(0), HEADS=heads, KV_HEADS=kv_heads,
-                                            HALF=dim // 2,
+                                            k.stride(0), HEADS=heads, HALF=dim // 2,
                                             BLOCK=triton.next_power_of_2(dim // 2))
     return q_out
 
 
 @triton.jit
-def _store_kv_kernel(data, k, v, slots, k_row_stride, v_row_stride, num_pages,
-                     PAGE: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+def _store_kv_kernel(data, k, v, slots, k_row_stride, v_row_stride, PAGE: tl.constexpr, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     keep = cols < WIDTH
@@ -169,14 +173,12 @@ def store_kv(layer_data: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
     cache [num_pages, 2, page_size, H_kv, D] (contiguous)."""
     if not layer_data.is_contiguous():
         raise ValueError("the layer's KV cache must be contiguous")
-    num_pages, _, page, kv_heads, dim = layer_data.shape
+    _, _, page, kv_heads, dim = layer_data.shape
     width = kv_heads * dim
-    for name, x in (("k", k), ("v", v)):
-        if x.stride(2) != 1 or x.stride(1) != dim:
-            raise ValueError(f"{name}'s heads must be contiguous within a token row")
+    _check_heads(k=k, v=v)
     t = slots.numel()
     if t:
         block = min(1024, triton.next_power_of_2(width))
         _store_kv_kernel[(t, triton.cdiv(width, block))](
-            layer_data, k, v, slots, k.stride(0), v.stride(0), num_pages, PAGE=page,
+            layer_data, k, v, slots, k.stride(0), v.stride(0), PAGE=page,
             WIDTH=width, BLOCK=block)
