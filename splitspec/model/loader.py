@@ -140,11 +140,10 @@ def load_eagle3(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
     return finish(head, dtype, device)
 
 
-def finish(module: nn.Module, dtype: torch.dtype, device: str | torch.device,
-           fused_kernels: bool | None = None) -> nn.Module:
+def finish(module: nn.Module, dtype: torch.dtype, device: str | torch.device) -> nn.Module:
     """Cast and move; recompute rotary frequencies in float32 (meta construction left them
-    empty); fuse the q/k/v and gate/up weights into one GEMM each; and on CUDA (or as
-    fused_kernels says) run norms, rotary and the MLP activation as Triton kernels."""
+    empty); fuse the q/k/v and gate/up weights into one GEMM each; and on CUDA run norms,
+    rotary and the MLP activation as Triton kernels (use_fused_kernels turns them off)."""
     module = module.to(device=device, dtype=dtype).eval()
     cfg = _owner_config(module)
     for sub in module.modules():
@@ -152,9 +151,7 @@ def finish(module: nn.Module, dtype: torch.dtype, device: str | torch.device,
             sub.inv_freq = rope_inv_freq(cfg.rope, cfg.head_dim).to(device)
         if isinstance(sub, (LlamaAttention, LlamaMLP)):
             sub.fuse_weights()
-    if fused_kernels is None:
-        fused_kernels = str(device).startswith("cuda") and HAS_TRITON
-    use_fused_kernels(module, fused_kernels)
+    use_fused_kernels(module, str(device).startswith("cuda") and HAS_TRITON)
     return module
 
 
