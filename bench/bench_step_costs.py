@@ -38,6 +38,7 @@ from bench_decode_floor import BANDWIDTH_TB_S, LLAMA_31_8B
 from draft_service.drafter import Drafter, DrafterLimits, TreeShape
 from draft_service.models import Eagle3Draft
 from draft_service.startup import warmup_inputs
+from draft_service.tree_search import FlashInferPrefix, TreeSearch
 from splitspec.attention import AttentionShape, SeqAttention, choose_backend, make_backend
 from splitspec.attention.flashinfer_backend import FlashInferBackend
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
@@ -193,7 +194,13 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
         backend.compile_kernels(masked=True)
     limits = DrafterLimits(max_running=4, max_context=args.context + args.iters + args.warmup + 64,
                            max_tree_nodes=64)
-    drafter = Drafter(model, cache, PagePool(pages), backend, limits)
+    pool = PagePool(pages)
+    search = None
+    if isinstance(backend, FlashInferBackend) and args.graphs:  # as the draft service's start-up
+        search = TreeSearch(model, cache, FlashInferPrefix(backend))
+        search.capture(backend, (1,), [(args.topk, args.depth)], pool.allocate(1)[0],
+                       limits.max_context)
+    drafter = Drafter(model, cache, pool, backend, limits, search)
     session = drafter.open_session()
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, layer.vocab_size, (args.context,), generator=generator).tolist()
@@ -212,7 +219,8 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
     profiled(step, 5, args.profile, "draft", args.device)
     print(f"draft tree ({args.tree_nodes}/{args.topk}/{args.depth}): median "
           f"{statistics.median(times):.3f} ms", flush=True)
-    return {"backend": name, "draft_ms": times, "target_layers": target_layers}
+    return {"backend": name, "draft_ms": times, "target_layers": target_layers,
+            "draft_graphs": search is not None}
 
 
 def main() -> int:

@@ -50,6 +50,9 @@ class DraftConfig:
     replay_corrupt_rate: float = option(0.0, "--kind replay: chance that a tree node on the "
                                         "recorded path carries a wrong token instead (0 = "
                                         "every drafted path is the target's, 1 = none)")
+    graph_trees: str = option("4x4", "tree shapes (TOPKxDEPTH, comma-separated) whose drafting is "
+                              "captured as CUDA graphs, per batch-size bucket up to --max-running "
+                              "(CUDA with flashinfer); other shapes draft eagerly; '' = none")
     init_report: Path | None = option(None, "also write the JSON init report to this file")
     log_level: str = option("INFO", "logging level")
 
@@ -77,6 +80,17 @@ class DraftConfig:
         per_seq = -(-(self.max_context + self.scratch_slots) // self.page_size)
         return self.max_running * per_seq
 
+    @property
+    def graph_shapes(self) -> list[tuple[int, int]]:
+        """--graph-trees as (topk, depth) pairs; ValueError says what is wrong."""
+        shapes = []
+        for item in filter(None, (part.strip() for part in self.graph_trees.split(","))):
+            topk, sep, depth = item.partition("x")
+            if not (sep and topk.isdigit() and depth.isdigit() and int(topk) > 0 and int(depth) > 0):
+                raise ValueError(f"--graph-trees entry {item!r} is not TOPKxDEPTH (e.g. 4x4)")
+            shapes.append((int(topk), int(depth)))
+        return shapes
+
     def check(self) -> None:
         """Raise ValueError naming the flag to change when a value cannot work."""
         for flag, value in (("--max-running", self.max_running), ("--max-context", self.max_context),
@@ -85,6 +99,7 @@ class DraftConfig:
                             ("--proposal-support", self.proposal_support)):
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
+        self.graph_shapes  # noqa: B018 - raises on a malformed --graph-trees
         if self.kind == REPLAY:
             self.check_replay()
         elif self.replay_file is not None:

@@ -42,6 +42,7 @@ from typing import Any, NamedTuple
 import torch
 
 from draft_service.models import DraftModel, EntrySpan
+from draft_service.tree_search import TreeSearch, prefix_attention_for
 from splitspec.attention.base import AttentionBackend, SeqAttention
 from splitspec.kv_cache import KVCache, OutOfPages, PagePool, PageTable
 from splitspec.model.layers import AttentionContext
@@ -486,13 +487,16 @@ class Drafter(BaseDrafter):
     """Serves draft requests over one model, one KV cache and one attention backend."""
 
     def __init__(self, model: DraftModel, cache: KVCache, pool: PagePool, backend: AttentionBackend,
-                 limits: DrafterLimits) -> None:
+                 limits: DrafterLimits, search: TreeSearch | None = None) -> None:
+        """``search``: the top-k tree search with its CUDA graphs (capture_cuda_graphs); by
+        default an eager one over ``backend``."""
         super().__init__(limits, model.vocab_size, model.draft_vocab_size)
         self.model = model
         self.cache = cache
         self.pool = pool
         self.backend = backend
         self.device = model.device
+        self.search = search or TreeSearch(model, cache, prefix_attention_for(backend))
 
     def _new_state(self) -> SeqState:
         return SeqState(PageTable(self.cache.page_size))
@@ -554,6 +558,9 @@ class Drafter(BaseDrafter):
 
     def _draft_trees(self, session: Session, seqs: list[SeqInput], errors: dict[int, str]
                      ) -> dict[int, Tree]:
+        """Top-k trees on the device (:class:`TreeSearch`), one batch per tree shape; sampled
+        trees through the host-driven :meth:`_grow`, whose scratch lives in the paged cache."""
+        top_k: dict[TreeShape, list[tuple[int, SeqState]]] = {}
         jobs = []
         for i, item in enumerate(seqs):
             if i in errors or item.shape.num_draft_tokens == 0:
@@ -564,27 +571,40 @@ class Drafter(BaseDrafter):
                 if state.last_state is None:
                     raise SeqError("no committed entry to draft from (needs new tokens after a "
                                    "rollback, or 2 tokens for EAGLE-3); resend from 0")
+                candidates = self._candidates(item, shape, state)
+                if not isinstance(candidates, _SampledCandidates):
+                    top_k.setdefault(shape, []).append((i, state))
+                    continue
                 scratch = (shape.num_steps - 1) * shape.topk
                 try:
                     state.table.reserve(self.pool, state.num_entries + scratch)
                 except OutOfPages as exc:
                     raise SeqError(f"out of draft KV-cache pages for a {scratch}-node tree scratch "
                                    f"({exc})") from exc
-                candidates = self._candidates(item, shape, state)
             except SeqError as exc:  # becomes this sequence's error in the reply
                 self._fail(session, i, item.seq_id, errors, exc)
                 continue
             jobs.append(_TreeJob(i, state, candidates))
-        if not jobs:
-            return {}
-        try:
-            self._grow(jobs)
-        finally:
-            for job in jobs:
-                self._trim(job.state.table)
-        trees = {job.index: job.cands.best_tree() for job in jobs}
-        for job in jobs:
-            job.state.last_tree = trees[job.index]
+        trees = {}
+        for shape, group in top_k.items():
+            states = [state for _, state in group]
+            found = self.search.run(torch.stack([s.last_state for s in states]),
+                                    [s.table for s in states], [s.num_entries for s in states], shape)
+            for (i, state), tokens, parents, scores in zip(group, found.tokens, found.parents,
+                                                          found.scores, strict=True):
+                cands = _Candidates(shape, state.num_entries)
+                for token, parent, score in zip(tokens, parents, scores, strict=True):
+                    cands.add(token, parent, score)
+                trees[i] = cands.best_tree()
+        if jobs:
+            try:
+                self._grow(jobs)
+            finally:
+                for job in jobs:
+                    self._trim(job.state.table)
+            trees.update((job.index, job.cands.best_tree()) for job in jobs)
+        for i, tree in trees.items():
+            session.seqs[seqs[i].seq_id].last_tree = tree
         return trees
 
     def _candidates(self, item: SeqInput, shape: TreeShape, state: SeqState) -> _Candidates:

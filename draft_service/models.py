@@ -109,6 +109,7 @@ class DraftModel(ABC):
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    state_width: int       # X, the width of a state row
     dtype: torch.dtype
     device: torch.device
     module: torch.nn.Module  # the loaded weights
@@ -153,7 +154,7 @@ class StandaloneDraft(DraftModel):
         self.model = self.module = model
         self.vocab_size = self.draft_vocab_size = cfg.vocab_size
         self.num_layers, self.num_kv_heads, self.head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        self.num_heads = cfg.num_heads
+        self.num_heads, self.state_width = cfg.num_heads, cfg.hidden_size
         self.dtype = model.lm_head.weight.dtype
         self.device = model.lm_head.weight.device
 
@@ -189,7 +190,7 @@ class Eagle3Draft(DraftModel):
         self.draft_vocab_size = cfg.draft_vocab_size
         self.feature_dim = 3 * cfg.target_hidden_size
         self.num_kv_heads, self.head_dim = cfg.layer.num_kv_heads, cfg.layer.head_dim
-        self.num_heads = cfg.layer.num_heads
+        self.num_heads, self.state_width = cfg.layer.num_heads, cfg.layer.hidden_size
         self.dtype = head.fc.weight.dtype
         self.device = head.fc.weight.device
 

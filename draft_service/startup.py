@@ -29,6 +29,7 @@ from draft_service.drafter import (
 from draft_service.models import REPLAY, DraftModel, DraftSpec, load_draft_model, read_spec
 from draft_service.replay import ReplayBook, ReplayDrafter, read_replay_spec
 from draft_service.servicer import DraftServicer, draft_fault_from_env, draft_info
+from draft_service.tree_search import FlashInferPrefix, TreeSearch
 from splitspec.attention import (
     AttentionBackend,
     AttentionShape,
@@ -36,6 +37,7 @@ from splitspec.attention import (
     choose_backend,
     make_backend,
 )
+from splitspec.cuda_graphs import buckets_up_to
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, Startup
 from splitspec.kv_cache import KVCache, PagePool
@@ -102,10 +104,22 @@ def init_attention_backend(cfg: DraftConfig, model: DraftModel) -> Detailed:
     return Detailed(backend, f"{name} ({why}){ready}")
 
 
-def capture_cuda_graphs(cfg: DraftConfig) -> Detailed:
-    if not cfg.device.startswith("cuda"):
-        return Detailed(None, f"no-op on {cfg.device}")
-    return Detailed(None, "no graphs yet: eager drafting")
+def capture_cuda_graphs(cfg: DraftConfig, model: DraftModel, cache: KVCache, pool: PagePool,
+                        backend: AttentionBackend) -> Detailed:
+    """The top-k tree search with its drafting captured per batch bucket and --graph-trees
+    shape (CUDA with flashinfer); None (the drafter searches eagerly) elsewhere."""
+    if not isinstance(backend, FlashInferBackend):
+        return Detailed(None, f"no-op: drafting runs eagerly on {cfg.device} with this backend")
+    shapes = [(min(topk, model.draft_vocab_size), depth) for topk, depth in cfg.graph_shapes]
+    if not shapes:
+        return Detailed(None, "no-op: --graph-trees is empty")
+    search = TreeSearch(model, cache, FlashInferPrefix(backend))
+    (pad_page,) = pool.allocate(1)  # the padding rows' page, never given back
+    buckets = buckets_up_to(cfg.max_running)
+    took = search.capture(backend, buckets, shapes, pad_page, cfg.max_context)
+    names = ", ".join(f"{topk}x{depth}" for topk, depth in shapes)
+    return Detailed(search, f"{len(search.graphs)} graphs (trees {names}; buckets "
+                    f"{', '.join(map(str, buckets))}) in {took:.1f}s")
 
 
 def warmup_inputs(model: DraftModel | None, seq_id: int, start: int, tokens: list[int], shape: TreeShape,
@@ -179,9 +193,10 @@ def build(cfg: DraftConfig, startup: Startup) -> Built:
     model = startup.step("load_model", load_model, cfg, spec)
     cache, pool = startup.step("allocate_kv_cache", allocate_kv_cache, cfg, model)
     backend: AttentionBackend = startup.step("init_attention_backend", init_attention_backend, cfg, model)
-    startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg)
+    search = startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg, model, cache, pool, backend)
     limits = drafter_limits(cfg)
-    drafter = startup.step("warmup", built_and_warm, lambda: Drafter(model, cache, pool, backend, limits))
+    drafter = startup.step("warmup", built_and_warm,
+                           lambda: Drafter(model, cache, pool, backend, limits, search))
     server = startup.step("start_server", start_server, cfg, spec, drafter, startup)
     return Built(drafter, server)
 

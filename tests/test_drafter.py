@@ -315,9 +315,11 @@ def test_tree_matches_reference_drafting_without_cache(drafter):
 
 
 def test_batched_sequences_get_the_trees_they_get_alone(drafter):
-    """One request, sequences of different lengths and shapes: each tree equals its solo draft."""
+    """One request, sequences of different lengths and shapes (sequences of one shape are drafted
+    as one batch, padded to the longest): each tree equals its solo draft."""
     model = drafter.model
-    shapes = [TREE, CHAIN, TreeShape(10, 2, 5), NO_TREE, TreeShape(3, 3, 1), TreeShape(7, 4, 2)]
+    shapes = [TREE, CHAIN, TreeShape(10, 2, 5), NO_TREE, TreeShape(3, 3, 1), TreeShape(7, 4, 2),
+              TREE, TREE]
     seqs, solo = [], []
     for i, shape in enumerate(shapes):
         tokens = fake_tokens(9 + 3 * i, seed=20 + i)
@@ -511,15 +513,18 @@ def test_out_of_pages_and_max_running_fail_only_that_sequence():
 
 
 def test_tree_scratch_out_of_pages_is_a_sequence_error():
-    drafter = make_drafter(BUILTIN_DRAFT, page_size=4, num_pages=4)
-    model = drafter.model
-    session = drafter.open_session()
-    try:
-        (result,) = drafter.draft(session, [seq_input(model, 1, 0, fake_tokens(12), TREE)])
-        assert "tree scratch" in result.error
-        assert drafter.pool.num_free == 4
-    finally:
-        drafter.close_session(session)
+    """A sampled tree's scratch takes pages; a top-k tree's lives off the paged cache, so it
+    drafts wherever the entries fit."""
+    for sampling, error in ((SAMPLED, "tree scratch"), (None, "")):
+        drafter = with_sampled_trees(make_drafter(BUILTIN_DRAFT, page_size=4, num_pages=4))
+        session = drafter.open_session()
+        try:
+            (result,) = drafter.draft(session, [seq_input(drafter.model, 1, 0, fake_tokens(12), TREE,
+                                                          sampling=sampling)])
+            assert (error in result.error) if error else result.error == ""
+            assert drafter.pool.num_free == (4 if error else 1)  # 12 entries hold 3 pages
+        finally:
+            drafter.close_session(session)
 
 
 def test_warmup_passes_and_releases(drafter):

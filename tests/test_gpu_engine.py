@@ -22,13 +22,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from draft_service.config import DraftConfig
+from draft_service.drafter import Drafter, DrafterLimits, TreeShape
+from draft_service.models import load_draft_model, read_spec
+from draft_service.startup import allocate_kv_cache, warmup_inputs
+from draft_service.tree_search import FlashInferPrefix, TorchPrefix, TreeSearch
 from splitspec.attention import (
     AttentionShape,
     FlashInferBackend,
     SeqAttention,
     TorchAttentionBackend,
 )
-from splitspec.builtin import BUILTIN_TARGET
+from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
 from splitspec.cuda_graphs import StepGraphs
 from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.layers import AttentionContext
@@ -259,3 +264,74 @@ def test_fused_kernels_match_the_torch_layers(dtype):
     print(f"{dtype}: max error {error:.2e} of the largest logit, argmax agreement {agree:.3f}")
     assert error < (1e-4 if dtype == torch.float32 else 3e-2), error
     assert agree >= (1.0 if dtype == torch.float32 else 0.9), agree
+
+
+def test_flashinfer_prefix_matches_torch_prefix():
+    """The drafting levels' attention over the committed entries: flashinfer's paged decode
+    (base-2 log-sum-exp, converted) against the padded torch reference, sequences of
+    different lengths, several rows per sequence."""
+    cache, pool = paged_cache()
+    lengths, rows = [5, 40, 17], 4
+    tables = [seq(pool, n, 1).table for n in lengths]
+    q = torch.randn(len(lengths) * rows, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    backend = FlashInferBackend(AttentionShape(HEADS, KV_HEADS, DIM, PAGE, torch.bfloat16), "cuda")
+    results = []
+    for prefix in (TorchPrefix(), FlashInferPrefix(backend)):
+        prefix.plan(tables, lengths, rows, torch.device("cuda"))
+        results.append(prefix.attend(0, q, cache))
+    (out_ref, lse_ref), (out, lse) = results
+    assert out.shape == out_ref.shape == q.shape and lse.shape == lse_ref.shape == q.shape[:2]
+    assert (out - out_ref).abs().max().item() < 2e-2
+    assert (lse - lse_ref).abs().max().item() < 2e-2
+
+
+def test_tree_search_on_flashinfer_agrees_with_the_torch_backend():
+    """The built-in EAGLE-3 head in float16 drafts 8/4/4 trees for 12 sequences in one request
+    over each backend (catch-up and search); near-ties may break differently, so the share of
+    identical trees is printed and must stay high."""
+    cfg = DraftConfig(model=BUILTIN_EAGLE3, max_context=256, max_running=16, page_size=PAGE,
+                      device="cuda", dtype="float16")
+    model = load_draft_model(read_spec(BUILTIN_EAGLE3, "auto", cfg.target_dir), torch.float16, "cuda")
+    shape = AttentionShape(model.num_heads, model.num_kv_heads, model.head_dim, PAGE, torch.float16)
+    generator = torch.Generator().manual_seed(0)
+    inputs = [warmup_inputs(model, i, 0, torch.randint(0, model.vocab_size, (20 + 7 * i,),
+                                                       generator=generator).tolist(),
+                            TreeShape(8, 4, 4), generator) for i in range(12)]
+    trees = []
+    for backend in (TorchAttentionBackend(), FlashInferBackend(shape, "cuda")):
+        cache, pool = allocate_kv_cache(cfg, model).value
+        drafter = Drafter(model, cache, pool, backend, DrafterLimits(16, 256, 64))
+        results = drafter.draft(drafter.open_session(), inputs)
+        assert [r.error for r in results] == [""] * len(inputs)
+        trees.append([r.tree for r in results])
+    same = sum(a == b for a, b in zip(*trees, strict=True)) / len(inputs)
+    print(f"identical trees, flashinfer vs torch backend (float16): {same:.0%}")
+    assert same >= 0.75
+
+
+def test_tree_search_graphs_match_eager_search():
+    """The captured drafting (buckets 1 and 4, 4x4 trees) against the eager search with the same
+    kernels: a batch of 1, a padded batch (3 in bucket 4), a full bucket, and 5 sequences
+    (beyond the largest bucket: eager); and a shape that was not captured runs eagerly."""
+    cfg = DraftConfig(model=BUILTIN_EAGLE3, max_context=256, max_running=8, page_size=PAGE,
+                      device="cuda", dtype="bfloat16")
+    model = load_draft_model(read_spec(BUILTIN_EAGLE3, "auto", cfg.target_dir), torch.bfloat16, "cuda")
+    shape = AttentionShape(model.num_heads, model.num_kv_heads, model.head_dim, PAGE, torch.bfloat16)
+    backend = FlashInferBackend(shape, "cuda")
+    cache, pool = allocate_kv_cache(cfg, model).value
+    cache.data.normal_()
+    graphed = TreeSearch(model, cache, FlashInferPrefix(backend))
+    graphed.capture(backend, (1, 4), [(4, 4)], pool.allocate(1)[0], cfg.max_context)
+    eager = TreeSearch(model, cache, FlashInferPrefix(backend))
+    generator = torch.Generator().manual_seed(1)
+    for n, tree in ((1, TreeShape(8, 4, 4)), (3, TreeShape(8, 4, 4)), (4, TreeShape(8, 4, 4)),
+                    (5, TreeShape(8, 4, 4)), (2, TreeShape(6, 3, 4))):
+        lengths = torch.randint(1, 200, (n,), generator=generator).tolist()
+        tables = [seq(pool, length, 1).table for length in lengths]
+        roots = torch.randn(n, model.state_width, generator=generator).to("cuda", torch.bfloat16)
+        assert (graphed._key(n, tree) is not None) == (n <= 4 and tree.topk == 4)
+        got, want = (search.run(roots, tables, lengths, tree) for search in (graphed, eager))
+        assert got.tokens == want.tokens and got.parents == want.parents, (n, tree)
+        assert torch.allclose(torch.tensor(got.scores), torch.tensor(want.scores), atol=1e-3)
+        for table in tables:
+            table.release(pool)
