@@ -627,3 +627,11 @@ def test_spec_info_kind_and_captured_layers(tmp_path):
     (head / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="6 layers"):
         read_spec(head, "auto", BUILTIN_TARGET)
+
+
+def test_graph_trees_flag_parses_and_refuses_bad_entries():
+    assert DraftConfig(graph_trees="4x4, 1x6").graph_shapes == [(4, 4), (1, 6)]
+    assert DraftConfig(graph_trees="").graph_shapes == []
+    for bad in ("4", "4x", "0x4", "ax4", "4x4x4"):
+        with pytest.raises(ValueError, match="TOPKxDEPTH"):
+            DraftConfig(graph_trees=bad).check()
