@@ -106,8 +106,8 @@ def bucket_of(batch_size: int) -> int:
 class _Bucket:
     """What was measured at one batch-size bucket: the last steps of each mode."""
 
-    on: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # (step_s, gain) pairs
-    off: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # step_s
+    on: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # (period_s, gain) pairs
+    off: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # period_s
     on_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # batch sizes of on
     off_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # ... and of off
     is_on: bool = True        # the decision (until decided: the nearest decided bucket's)
@@ -119,7 +119,7 @@ class _Bucket:
 
     def rates(self) -> tuple[float, float]:
         """Tokens per second per sequence with and without speculation (window means); the
-        gain of a speculative step is its accepted draft tokens per sequence."""
+        gain of a speculative step is the tokens it committed per sequence beyond one."""
         step_on = sum(t for t, _ in self.on) / len(self.on)
         gain = sum(g for _, g in self.on) / len(self.on)
         return (1 + gain) / step_on, len(self.off) / sum(self.off)
@@ -172,15 +172,19 @@ class AdaptivePolicy:
 
     def observe(self, stats: target_pb2.StepStats) -> target_pb2.SpecPolicy | None:
         """Learn from one decode step; returns the new policy when it changed."""
-        if stats.prefill_tokens or stats.batch_size == 0 or stats.total_s <= 0:
+        if stats.prefill_tokens or stats.batch_size == 0 or stats.period_s <= 0:
             return None  # prefill steps say nothing about decode speed
         size = bucket_of(stats.batch_size)
         bucket = self.buckets[size]
+        # The step's period (not its own time): the loop's work between steps is paid once per
+        # step, so it weighs more on plain decoding's many short steps. The gain counts the
+        # tokens committed, not accepted ones that max_new_tokens then dropped.
         if stats.speculated:
-            bucket.on.append((stats.total_s, stats.accepted_tokens / stats.batch_size))
+            gain = max(stats.committed_tokens / stats.batch_size - 1, 0.0)
+            bucket.on.append((stats.period_s, gain))
             bucket.on_batch.append(stats.batch_size)
         else:
-            bucket.off.append(stats.total_s)
+            bucket.off.append(stats.period_s)
             bucket.off_batch.append(stats.batch_size)
         self._decide(bucket, size)
         policy = self._build()

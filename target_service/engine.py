@@ -139,6 +139,7 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self._step = 0
         self._draft_compute_s = 0.0
+        self._period_start: float | None = None  # end of the last step, None after a wait
         self._step_traceparent = b""
         self._pending_releases: list[int] = []
         self._pending: dict[int, list[target_pb2.TokenDelta]] = {}  # stream id -> deltas to send
@@ -228,7 +229,10 @@ class Engine:
         race the last step). A failing step fails every request and calls on_crash."""
         try:
             while not stop.is_set():
-                self._drain_inbox(block=not self.scheduler.has_work)
+                idle = not self.scheduler.has_work
+                self._drain_inbox(block=idle)
+                if idle:  # the next step's period starts after the wait, not before it
+                    self._period_start = None
                 if self.scheduler.has_work:
                     self.step()
             self.runner.stop()
@@ -346,8 +350,10 @@ class Engine:
         forward_start = time.perf_counter()
         result = self._forward(prefill, decode, trees)
         forward_end = time.perf_counter()
-        drafted, accepted = self._commit(prefill, decode, trees, result)
+        drafted, accepted, committed = self._commit(prefill, decode, trees, result)
         end = time.perf_counter()
+        period_start = start if self._period_start is None else self._period_start
+        self._period_start = end
         self.last_stats = target_pb2.StepStats(
             step=self._step, batch_size=len(decode),
             prefill_tokens=sum(len(s.prompt_ids) for s in prefill),
@@ -355,7 +361,8 @@ class Engine:
             drafted_tokens=drafted, accepted_tokens=accepted,
             draft_s=forward_start - draft_start, forward_s=forward_end - forward_start,
             total_s=end - start, waiting=len(self.scheduler.waiting),
-            draft_compute_s=self._draft_compute_s)
+            draft_compute_s=self._draft_compute_s, period_s=end - period_start,
+            committed_tokens=committed)
         self._record_step(self.last_stats, span)
         span.end()
         self._flush()
@@ -522,18 +529,20 @@ class Engine:
         return prefill_tokens, accepted
 
     def _commit(self, prefill: list[Sequence], decode: list[Sequence], trees: dict[int, Tree],
-                result: _ForwardResult) -> tuple[int, int]:
-        """Accept, compact and emit for every sequence; returns (drafted, accepted) tokens."""
+                result: _ForwardResult) -> tuple[int, int, int]:
+        """Accept, compact and emit for every sequence; returns the decoding sequences'
+        (drafted, accepted, committed) tokens."""
         for i, seq in enumerate(prefill):
             self._commit_prefill(seq, result.prefill_tokens[i], result.aux, result.starts[i],
                                  result.starts[i + 1])
-        drafted = accepted = 0
+        drafted = accepted = committed = 0
         for i, (seq, acceptance) in enumerate(zip(decode, result.accepted, strict=True)):
             tree = trees.get(seq.seq_id, EMPTY_TREE)
-            accepted += self._commit_decode(seq, tree, acceptance, result.aux,
-                                            result.starts[len(prefill) + i])
+            committed += self._commit_decode(seq, tree, acceptance, result.aux,
+                                             result.starts[len(prefill) + i])
+            accepted += len(acceptance.path)
             drafted += tree.num_nodes
-        return drafted, accepted
+        return drafted, accepted, committed
 
     def _commit_prefill(self, seq: Sequence, token: int, aux: torch.Tensor | None,
                         lo: int, hi: int) -> None:
@@ -546,7 +555,8 @@ class Engine:
 
     def _commit_decode(self, seq: Sequence, tree: Tree, acceptance: Acceptance,
                        aux: torch.Tensor | None, lo: int) -> int:
-        """Compact the KV cache to the accepted path, commit tokens; returns accepted count."""
+        """Compact the KV cache to the accepted path, commit tokens; returns how many were
+        committed (the accepted path and the bonus token, cut at max_new_tokens)."""
         length = seq.num_cached
         kept = [0, *acceptance.path]  # tree indices whose K/V stays: root then accepted nodes
         moved = [(length + src, length + dst) for dst, src in enumerate(kept) if src != dst]
@@ -570,16 +580,18 @@ class Engine:
                         DEPTH_ACCEPTED.add(1, {"splitspec.depth": d})
         else:
             seq.spec.plain_steps += 1
-        self._emit_tokens(seq, acceptance.tokens)
-        return len(acceptance.path)
+        return self._emit_tokens(seq, acceptance.tokens)
 
     # ---- output -----------------------------------------------------------------------
 
-    def _emit_tokens(self, seq: Sequence, tokens: list[int]) -> None:
+    def _emit_tokens(self, seq: Sequence, tokens: list[int]) -> int:
+        """Commit and send tokens (those past max_new_tokens are dropped); returns how many
+        were kept."""
         kept = seq.commit(tokens)
         self._emit(seq, kept, seq.finish_reason)
         if seq.finish_reason:
             self._finish(seq)
+        return len(kept)
 
     def _emit(self, seq: Sequence, tokens: list[int], finish: int, error: str = "") -> None:
         delta = target_pb2.TokenDelta(request_id=seq.request_id, token_ids=tokens,

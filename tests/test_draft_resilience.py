@@ -28,8 +28,9 @@ def policy(speculate: bool) -> target_pb2.ServeRequest:
 
 
 def serve(target: Service, prompts: list[list[int]], max_new: int, toggle_every: int = 0,
-          speculate: bool = True) -> tuple[dict[int, list[int]], list[target_pb2.StepStats]]:
-    """Run prompts on one Serve stream; every `toggle_every` events flip the policy."""
+          speculate: bool = True) -> tuple[dict[int, list[int]], list[target_pb2.ServeEvent]]:
+    """Run prompts on one Serve stream; every `toggle_every` events flip the policy. Returns
+    the tokens per request and every event (a step's deltas and statistics)."""
     requests: queue.Queue = queue.Queue()
     requests.put(policy(speculate))
     for rid, ids in enumerate(prompts):
@@ -42,7 +43,7 @@ def serve(target: Service, prompts: list[list[int]], max_new: int, toggle_every:
         call = target_pb2_grpc.TargetStub(channel).Serve(iter(requests.get, None), timeout=120)
         for event in call:
             events += 1
-            steps.append(event.stats)
+            steps.append(event)
             if toggle_every and events % toggle_every == 0:
                 speculate = not speculate
                 requests.put(policy(speculate))
@@ -71,7 +72,15 @@ def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts)
         target.stop()
         draft.stop()
     assert toggled == plain
-    assert any(s.speculated for s in steps) and any(not s.speculated for s in steps[1:])
+    stats = [e.stats for e in steps]
+    assert any(s.speculated for s in stats) and any(not s.speculated for s in stats[1:])
+    # What the speculation policy reads: a decode step's committed tokens are the tokens it
+    # delivered (max_new_tokens cuts the last trees), and its period covers its own time.
+    decode = [e for e in steps if e.stats.batch_size and not e.stats.prefill_tokens]
+    assert decode
+    for event in decode:
+        assert event.stats.committed_tokens == sum(len(d.token_ids) for d in event.deltas)
+        assert event.stats.period_s >= event.stats.total_s > 0
 
 
 def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts):
@@ -125,6 +134,6 @@ def test_slow_draft_exchanges_are_skipped_without_changing_output(tmp_path, prom
         target.stop()
         draft.stop()
     assert slow == plain
-    assert any(s.speculated for s in steps), "no exchange came back in time"
+    assert any(e.stats.speculated for e in steps), "no exchange came back in time"
     assert "no draft reply within 0.20s" in target.log
     assert "dropping late draft reply" in target.log

@@ -26,9 +26,11 @@ def test_bad_tables_say_what_is_wrong(text, message):
         parse_table(text, DEFAULT)
 
 
-def step(batch: int, speculated: bool, total_s: float, accepted: int = 0) -> target_pb2.StepStats:
-    return target_pb2.StepStats(batch_size=batch, speculated=speculated, total_s=total_s,
-                                accepted_tokens=accepted)
+def step(batch: int, speculated: bool, period_s: float, accepted: int = 0) -> target_pb2.StepStats:
+    """A decode step whose sequences each committed the bonus token and accepted/batch more."""
+    return target_pb2.StepStats(batch_size=batch, speculated=speculated, period_s=period_s,
+                                total_s=period_s, accepted_tokens=accepted,
+                                committed_tokens=batch + accepted)
 
 
 def run(policy: AdaptivePolicy, batch: int, on_s: float, off_s: float, gain: float,
@@ -154,3 +156,17 @@ def test_a_new_bucket_measures_the_other_mode_after_its_first_steps():
         policy.observe(step(1, speculate, 0.010 if speculate else 0.005, 3 if speculate else 0))
     assert modes[:16] == [True] * 16 and modes[16:24] == [False] * 8 and all(modes[24:])
     assert policy.buckets[1].decided
+
+
+def test_the_policy_judges_by_period_and_committed_tokens():
+    """A step's own time and its accepted count can flatter speculation: here each speculative
+    step takes 4 ms of its own but 10 ms from the previous step's end, and max_new_tokens cut
+    its 3 accepted tokens to none; plain steps take 4 ms and 5 ms. By period and committed
+    tokens plain decoding is twice as fast, and the policy turns speculation off."""
+    policy = AdaptivePolicy(DEFAULT)
+    for _ in range(300):
+        speculate = shape_for(policy.policy, 1, DEFAULT).num_draft_tokens > 0
+        policy.observe(target_pb2.StepStats(
+            batch_size=1, speculated=speculate, total_s=0.004, period_s=0.010 if speculate else 0.005,
+            accepted_tokens=3 if speculate else 0, committed_tokens=1))
+    assert shape_for(policy.policy, 1, DEFAULT).num_draft_tokens == 0
