@@ -10,12 +10,15 @@ request:
 2. Catch-up: for every sequence, what the draft holds from ``start`` on is
    dropped and the new tokens' entries are appended, all sequences in ONE
    forward pass (causal, over each sequence's page table).
-3. Trees: for the sequences that ask for one, EAGLE-2 drafting batched over
-   the sequences (see :meth:`Drafter._grow`), one forward per tree level.
+3. Trees: for the sequences that ask for one, EAGLE-2 top-k drafting on the
+   device, batched over the sequences of each tree shape, one forward per
+   tree level and one read back (:class:`TreeSearch`, CUDA graphs on GPUs);
+   the host then keeps each tree's best nodes (:meth:`_Candidates.best_tree`).
    With ``sampled_trees`` on, a sequence that samples gets a *sampled* tree
    instead: a fixed topology (:func:`sampled_topology`) whose nodes' children
    are drawn from the draft's own distribution without replacement, sent with
-   that distribution (see :class:`_SampledCandidates`).
+   that distribution (see :class:`_SampledCandidates`), drafted level by level
+   from the host (:meth:`Drafter._grow`).
 
 A problem with one sequence (unknown, bad features, over the context, out of
 pages) becomes that sequence's ``error`` and the draft forgets the sequence
@@ -571,8 +574,8 @@ class Drafter(BaseDrafter):
                 if state.last_state is None:
                     raise SeqError("no committed entry to draft from (needs new tokens after a "
                                    "rollback, or 2 tokens for EAGLE-3); resend from 0")
-                candidates = self._candidates(item, shape, state)
-                if not isinstance(candidates, _SampledCandidates):
+                candidates = self._sampled_candidates(item, shape, state)
+                if candidates is None:
                     top_k.setdefault(shape, []).append((i, state))
                     continue
                 scratch = (shape.num_steps - 1) * shape.topk
@@ -607,11 +610,13 @@ class Drafter(BaseDrafter):
             session.seqs[seqs[i].seq_id].last_tree = tree
         return trees
 
-    def _candidates(self, item: SeqInput, shape: TreeShape, state: SeqState) -> _Candidates:
-        """Top-k candidates, or sampled ones for a sequence that samples when sampled trees are on."""
+    def _sampled_candidates(self, item: SeqInput, shape: TreeShape, state: SeqState
+                            ) -> _SampledCandidates | None:
+        """Candidates of a sampled tree for a sequence that samples when sampled trees are on;
+        None for a top-k tree."""
         params = item.sampling
         if not self.limits.sampled_trees or params is None or params.is_greedy:
-            return _Candidates(shape, state.num_entries)
+            return None
         if params.seed is None:
             raise SeqError("a sampled tree needs the request's seed in sampling.seed")
         return _SampledCandidates(shape, state.num_entries, params, state.num_tokens)
@@ -638,7 +643,9 @@ class Drafter(BaseDrafter):
         return out
 
     def _grow(self, jobs: list[_TreeJob]) -> None:
-        """EAGLE-2 drafting, batched over sequences.
+        """Sampled trees, drafted level by level from the host, batched over sequences (the
+        top-k form, which :class:`TreeSearch` runs on the device, is the same with the
+        best k children in place of the draws).
 
         Depth 1: the top-k of each root's log-probs. Step j = 1 .. S-1: ONE
         forward over every sequence's k frontier nodes (depth j, position
