@@ -139,7 +139,7 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self._step = 0
         self._draft_compute_s = 0.0
-        self._period_start: float | None = None  # end of the last step, None after a wait
+        self._period_start: float | None = None  # end of the last step or of a wait for work
         self._step_traceparent = b""
         self._pending_releases: list[int] = []
         self._pending: dict[int, list[target_pb2.TokenDelta]] = {}  # stream id -> deltas to send
@@ -232,7 +232,7 @@ class Engine:
                 idle = not self.scheduler.has_work
                 self._drain_inbox(block=idle)
                 if idle:  # the next step's period starts after the wait, not before it
-                    self._period_start = None
+                    self._period_start = time.perf_counter()
                 if self.scheduler.has_work:
                     self.step()
             self.runner.stop()
