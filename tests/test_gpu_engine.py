@@ -8,7 +8,10 @@
   boundaries, and what they leave to eager steps;
 - the target service on the GPU: speculation ON against OFF in bf16 (the
   share of identical greedy tokens is printed), and a fault injected into
-  ``capture_cuda_graphs`` fails start-up naming that step.
+  ``capture_cuda_graphs`` fails start-up naming that step;
+- the draft's tree search: its flashinfer prefix attention against the torch
+  one, trees over flashinfer against the torch backend (float16, the share of
+  identical trees is printed), and the captured search against the eager one.
 """
 
 from __future__ import annotations
