@@ -17,7 +17,9 @@ A frontier node at depth j of sequence b attends to
   [layers, 2, B, depth - 1, k, H_kv, D] (level j - 1 holds the depth-j frontier),
 
 and the two parts are merged by their log-sum-exp: exactly the softmax over
-the union, which is what the host form computes with one masked pass.
+the union, which is what the host form computes with one masked pass. On
+CUDA the scratch part and the merge are one Triton kernel
+(splitspec/kernels/tree_attention.py; the torch form here is its reference).
 Ancestry is a [B, k, depth - 1, k] boolean table: a child inherits its
 parent's row and marks itself at its own level.
 """
@@ -34,6 +36,7 @@ import torch
 
 from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAttention
 from splitspec.attention.flashinfer_backend import FlashInferBackend, PagedLayout, import_flashinfer
+from splitspec.kernels import HAS_TRITON
 from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
 
@@ -70,6 +73,8 @@ class PrefixAttention(ABC):
     """Attention of every frontier row over its sequence's committed entries (kv_len = its
     number of entries, no mask): planned once per draft call, run per layer and level."""
 
+    lse_scale = 1.0  # what turns attend()'s log-sum-exp into a natural log
+
     @abstractmethod
     def plan(self, tables: list[PageTable], num_entries: list[int], rows_per_seq: int,
              device: torch.device) -> None:
@@ -77,7 +82,7 @@ class PrefixAttention(ABC):
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [N, H, D] -> out [N, H, D] float32, lse [N, H] (natural log)."""
+        """q [N, H, D] -> out [N, H, D], lse [N, H] (times lse_scale: natural log)."""
 
 
 class TorchPrefix(PrefixAttention):
@@ -111,6 +116,8 @@ class FlashInferPrefix(PrefixAttention):
     With ``graph_rows`` the wrapper is built for CUDA graphs: exactly that many rows, each
     over at most ``max_pages`` pages, planned (outside the graph) before each replay."""
 
+    lse_scale = LN2  # flashinfer's log-sum-exp is base 2
+
     def __init__(self, backend: FlashInferBackend, graph_rows: int = 0, max_pages: int = 0) -> None:
         flashinfer = import_flashinfer()
         self.shape = backend.shape
@@ -137,8 +144,7 @@ class FlashInferPrefix(PrefixAttention):
                            kv_data_type=shape.dtype)
 
     def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = self._wrapper.run(q.contiguous(), cache.data[layer], return_lse=True)
-        return out.float(), lse * LN2  # flashinfer's log-sum-exp is base 2
+        return self._wrapper.run(q.contiguous(), cache.data[layer], return_lse=True)
 
 
 def prefix_attention_for(backend: AttentionBackend) -> PrefixAttention:
@@ -169,10 +175,15 @@ class NodeAttention(AttentionBackend):
         seen = (level + 1) * width
         keys = scratch[0, :, : level + 1].reshape(b, seen, kv_heads, dim)
         values = scratch[1, :, : level + 1].reshape(b, seen, kv_heads, dim)
-        out_t, lse_t = masked_attention(q.view(b, width, kv_heads, -1, dim), keys, values,
-                                        meta.ancestry[:, :, :seen])
+        allowed = meta.ancestry[:, :, :seen]
         out_p, lse_p = meta.prefix.attend(layer, q, cache)
-        merged = merge_attention(out_p, lse_p, out_t.reshape(q.shape), lse_t.reshape(q.shape[:2]))
+        if q.is_cuda and HAS_TRITON:  # one kernel for the scratch part and the merge
+            from splitspec.kernels.tree_attention import tree_attention
+
+            return tree_attention(q, keys, values, allowed, out_p, lse_p, meta.prefix.lse_scale)
+        out_t, lse_t = masked_attention(q.view(b, width, kv_heads, -1, dim), keys, values, allowed)
+        merged = merge_attention(out_p.float(), lse_p * meta.prefix.lse_scale,
+                                 out_t.reshape(q.shape), lse_t.reshape(q.shape[:2]))
         return merged.to(q.dtype)
 
 

@@ -125,3 +125,43 @@ def run_fused(device: str) -> None:
     check_fused(device, torch.bfloat16, 7, 256, 8, 2, 32)
     check_fused(device, torch.float16, 1, 64, 2, 2, 64)
     check_fused(device, torch.bfloat16, 3, 4096, 32, 8, 128)  # Llama-3.1-8B's widths
+
+
+def check_tree(device: str, dtype: torch.dtype, seqs: int, width: int, levels: int, seen_levels: int,
+               heads: int, kv_heads: int, dim: int, lse_scale: float) -> None:
+    """splitspec.kernels.tree_attention against the torch form (masked_attention, then the
+    log-sum-exp merge): keys and values are slices of a [B, levels, width, H_kv, D] scratch, as
+    the drafting levels pass them; every row sees itself and a random set of other nodes."""
+    from draft_service.tree_search import masked_attention, merge_attention
+    from splitspec.kernels.tree_attention import tree_attention
+
+    gen = torch.Generator().manual_seed(seqs * 31 + width * 7 + levels)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dtype).to(device)
+
+    rows, seen = seqs * width, seen_levels * width
+    scratch = rand(2, seqs, levels, width, kv_heads, dim)
+    keys = scratch[0, :, :seen_levels].reshape(seqs, seen, kv_heads, dim)
+    values = scratch[1, :, :seen_levels].reshape(seqs, seen, kv_heads, dim)
+    ancestry = torch.rand(seqs, width, levels * width, generator=gen) < 0.4
+    own = torch.arange(width)
+    ancestry[:, own, (seen_levels - 1) * width + own] = True
+    allowed = ancestry.to(device)[:, :, :seen]
+    q = rand(rows, heads, dim)
+    prefix_out = rand(rows, heads, dim)
+    prefix_lse = (torch.randn(rows, heads, generator=gen) * 3).to(device)
+    got = tree_attention(q, keys, values, allowed, prefix_out, prefix_lse, lse_scale)
+    out_t, lse_t = masked_attention(q.view(seqs, width, kv_heads, heads // kv_heads, dim), keys,
+                                    values, allowed)
+    want = merge_attention(prefix_out.float(), prefix_lse * lse_scale, out_t.reshape(q.shape),
+                           lse_t.reshape(rows, heads)).to(dtype)
+    close(got, want, f"tree_attention {dtype} {seqs}x{width} level {seen_levels}/{levels}")
+    assert got.shape == q.shape and got.dtype == q.dtype
+
+
+def run_tree(device: str) -> None:
+    check_tree(device, torch.float32, 1, 4, 4, 1, 4, 2, 16, 1.0)      # the first level
+    check_tree(device, torch.float32, 3, 4, 4, 3, 8, 2, 32, 0.6931471805599453)  # base-2 lse
+    check_tree(device, torch.bfloat16, 2, 4, 4, 4, 32, 8, 128, 0.6931471805599453)  # 8B head
+    check_tree(device, torch.float16, 5, 3, 5, 4, 4, 4, 64, 1.0)      # 12 keys: not a power of 2
