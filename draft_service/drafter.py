@@ -59,14 +59,6 @@ log = logging.getLogger(__name__)
 ROOT = -1  # parent of a depth-1 candidate
 
 
-class _RowNext(NamedTuple):
-    """What one drafted row offers its node's children."""
-
-    tokens: list[int]            # the topk most likely target ids
-    logprobs: list[float]        # their log-probs
-    proposal: Proposal | None    # sampled trees: the distribution to draw from
-
-
 class SeqError(Exception):
     """This sequence cannot be served; the message goes into its tree's ``error``."""
 
@@ -167,15 +159,12 @@ def decode_features(data: bytes, rows: int, width: int, hidden_dim: int, dtype: 
 class _Candidates:
     """The nodes generated while drafting one sequence's tree, in generation order."""
 
-    def __init__(self, shape: TreeShape, num_entries: int) -> None:
+    def __init__(self, shape: TreeShape) -> None:
         self.shape = shape
-        self.num_entries = num_entries
         self.tokens: list[int] = []   # target ids
         self.parents: list[int] = []  # candidate index, or ROOT
         self.scores: list[float] = []  # cumulative log-prob
         self.depths: list[int] = []
-        self.frontier: list[int] = []
-        self.slot: dict[int, int] = {}  # candidate -> logical cache slot, for those that ran
 
     def add(self, token: int, parent: int, score: float) -> int:
         self.tokens.append(token)
@@ -183,38 +172,6 @@ class _Candidates:
         self.scores.append(score)
         self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
         return len(self.tokens) - 1
-
-    def expand(self, parent: int, tokens: list[int], logprobs: list[float]) -> list[int]:
-        """Add the children of parent (ROOT or a candidate); returns their indices."""
-        base = 0.0 if parent == ROOT else self.scores[parent]
-        return [self.add(t, parent, base + lp) for t, lp in zip(tokens, logprobs, strict=True)]
-
-    def set_frontier(self, candidates: list[int]) -> None:
-        """Keep the best topk of candidates (ties: generation order) as the next frontier."""
-        self.frontier = sorted(candidates, key=lambda c: -self.scores[c])[: self.shape.topk]
-
-    def grow(self, parent: int, tokens: list[int], logprobs: list[float],
-             proposal: Proposal | None) -> list[int]:
-        """Give parent (ROOT or a candidate) its children from the best tokens of its row."""
-        k = self.shape.topk
-        return self.expand(parent, tokens[:k], logprobs[:k])
-
-    def frontier_mask(self, step: int) -> torch.Tensor:
-        """[f, E + (step - 1) * k + f] bool: each of the f (at most k) frontier nodes sees the
-        entries, its ancestors and itself.
-
-        The frontier of step j (its nodes have depth j) is written to logical
-        slots E + (j - 1) * k ... E + (j - 1) * k + f - 1.
-        """
-        f, first = len(self.frontier), self.num_entries + (step - 1) * self.shape.topk
-        mask = torch.zeros(f, first + f, dtype=torch.bool)
-        mask[:, : self.num_entries] = True
-        for row, node in enumerate(self.frontier):
-            self.slot[node] = first + row
-            while node != ROOT:
-                mask[row, self.slot[node]] = True
-                node = self.parents[node]
-        return mask
 
     def best_tree(self) -> Tree:
         """The best num_draft_tokens candidates, closed under parents, parents first."""
@@ -288,17 +245,38 @@ class _SampledCandidates(_Candidates):
 
     def __init__(self, shape: TreeShape, num_entries: int, sampling: SamplingParams,
                  first_position: int) -> None:
-        super().__init__(shape, num_entries)
+        super().__init__(shape)
+        self.num_entries = num_entries
+        self.frontier: list[int] = []
+        self.slot: dict[int, int] = {}  # candidate -> logical cache slot, for those that ran
         self.sampling = sampling
         self.first_position = first_position  # position of the depth-1 nodes
         self.topology = sampled_topology(shape)
         self.topo: dict[int, int] = {ROOT: 0}  # candidate -> topology node
         self.proposal: dict[int, Proposal] = {}  # candidate (or ROOT) -> what its children came from
 
-    def grow(self, parent: int, tokens: list[int], logprobs: list[float],
-             proposal: Proposal | None) -> list[int]:
+    def frontier_mask(self, step: int) -> torch.Tensor:
+        """[f, E + (step - 1) * k + f] bool: each of the f frontier nodes sees the entries, its
+        ancestors and itself.
+
+        The frontier of step j (its nodes have depth j) is written to logical
+        slots E + (j - 1) * k ... E + (j - 1) * k + f - 1.
+        """
+        f, first = len(self.frontier), self.num_entries + (step - 1) * self.shape.topk
+        mask = torch.zeros(f, first + f, dtype=torch.bool)
+        mask[:, : self.num_entries] = True
+        for row, node in enumerate(self.frontier):
+            self.slot[node] = first + row
+            while node != ROOT:
+                mask[row, self.slot[node]] = True
+                node = self.parents[node]
+        return mask
+
+    def grow(self, parent: int, proposal: Proposal) -> list[int]:
+        """Draw parent's (ROOT or a candidate) children from proposal, as its topology node
+        asks; returns them."""
         slots = self.topology[self.topo[parent]]
-        if not slots or proposal is None:
+        if not slots:
             return []
         position = self.first_position + (0 if parent == ROOT else self.depths[parent])
         uniforms = [uniform(self.sampling.seed, position, "draft", self.topo[parent], i)
@@ -307,7 +285,8 @@ class _SampledCandidates(_Candidates):
         born = []
         for slot, pick in zip(slots, draw_without_replacement(proposal.probs, uniforms),
                               strict=False):
-            child = self.expand(parent, [proposal.tokens[pick]], [math.log(proposal.probs[pick])])[0]
+            base = 0.0 if parent == ROOT else self.scores[parent]
+            child = self.add(proposal.tokens[pick], parent, base + math.log(proposal.probs[pick]))
             self.topo[child] = slot
             born.append(child)
         return born
@@ -329,7 +308,7 @@ class _SampledCandidates(_Candidates):
 class _TreeJob(NamedTuple):
     index: int         # position of the sequence in the request
     state: SeqState
-    cands: _Candidates
+    cands: _SampledCandidates
 
 
 class BaseDrafter(ABC):
@@ -593,9 +572,9 @@ class Drafter(BaseDrafter):
             states = [state for _, state in group]
             found = self.search.run(torch.stack([s.last_state for s in states]),
                                     [s.table for s in states], [s.num_entries for s in states], shape)
-            for (i, state), tokens, parents, scores in zip(group, found.tokens, found.parents,
-                                                          found.scores, strict=True):
-                cands = _Candidates(shape, state.num_entries)
+            for (i, _), tokens, parents, scores in zip(group, found.tokens, found.parents,
+                                                      found.scores, strict=True):
+                cands = _Candidates(shape)
                 for token, parent, score in zip(tokens, parents, scores, strict=True):
                     cands.add(token, parent, score)
                 trees[i] = cands.best_tree()
@@ -621,46 +600,40 @@ class Drafter(BaseDrafter):
             raise SeqError("a sampled tree needs the request's seed in sampling.seed")
         return _SampledCandidates(shape, state.num_entries, params, state.num_tokens)
 
-    def _next(self, states: torch.Tensor, row_jobs: list[_TreeJob]) -> list[_RowNext]:
-        """Per row of states [T, X] (row i a node of row_jobs[i]'s tree): the topk best
-        log-probs and target ids, and for the rows of sampled trees the proposal."""
+    def _next(self, states: torch.Tensor, row_jobs: list[_TreeJob]) -> list[Proposal]:
+        """Per row of states [T, X] (row i a node of row_jobs[i]'s sampled tree): the draft's
+        distribution under that sequence's sampling parameters, cut to --proposal-support."""
         logits = self.model.logits(states)
-        k = max(job.cands.shape.topk for job in row_jobs)
-        values, draft_ids = torch.log_softmax(logits, dim=-1).topk(k, dim=-1)
-        out = [_RowNext(ids, vals, None) for ids, vals in
-               zip(self.model.to_target_ids(draft_ids).tolist(), values.tolist(), strict=True)]
         by_job: dict[int, list[int]] = {}
         for row, job in enumerate(row_jobs):
-            if isinstance(job.cands, _SampledCandidates):
-                by_job.setdefault(job.index, []).append(row)
+            by_job.setdefault(job.index, []).append(row)
+        out: list[Proposal | None] = [None] * len(row_jobs)
         for rows in by_job.values():
             cands = row_jobs[rows[0]].cands
             ids, probs = proposals(logits[torch.tensor(rows, device=logits.device)],
                                    cands.sampling, self.limits.proposal_support,
                                    self.model.to_target_ids)
             for row, row_ids, row_probs in zip(rows, ids, probs, strict=True):
-                out[row] = out[row]._replace(proposal=Proposal(row_ids, row_probs))
+                out[row] = Proposal(row_ids, row_probs)
         return out
 
     def _grow(self, jobs: list[_TreeJob]) -> None:
-        """Sampled trees, drafted level by level from the host, batched over sequences (the
-        top-k form, which :class:`TreeSearch` runs on the device, is the same with the
-        best k children in place of the draws).
+        """Sampled trees, drafted level by level from the host, batched over sequences.
 
-        Depth 1: the top-k of each root's log-probs. Step j = 1 .. S-1: ONE
-        forward over every sequence's k frontier nodes (depth j, position
-        last entry + j, input = token and, for EAGLE-3, the parent's state),
-        each attending to its sequence's entries, its ancestors and itself
-        (:meth:`_Candidates.frontier_mask`); each frontier node gets its top-k
-        children (score = cumulative log-prob), and the best k of the k * k
-        children become the next frontier. Sequences with fewer steps drop
-        out of later forwards; shapes may differ between sequences.
+        Depth 1: the root's children, drawn from its proposal. Step j = 1 ..
+        S-1: ONE forward over every sequence's frontier (the depth-j nodes that
+        the topology gives children; position last entry + j, input = token
+        and, for EAGLE-3, the parent's state), each node attending to its
+        sequence's entries, its ancestors and itself
+        (:meth:`_SampledCandidates.frontier_mask`), and each node's children
+        drawn from its own proposal. Sequences with fewer steps drop out of
+        later forwards; shapes may differ between sequences.
         """
         states = torch.stack([job.state.last_state for job in jobs])  # [B, X]: the roots
         nexts = self._next(states, jobs)
         parent_rows: dict[int, list[int]] = {}  # job -> row in states of each frontier node's parent
         for b, job in enumerate(jobs):
-            job.cands.set_frontier(job.cands.grow(ROOT, *nexts[b]))
+            job.cands.set_frontier(job.cands.grow(ROOT, nexts[b]))
             parent_rows[job.index] = [b] * len(job.cands.frontier)
         for step in range(1, max(job.cands.shape.num_steps for job in jobs)):
             active = [job for job in jobs if job.cands.shape.num_steps > step and job.cands.frontier]
@@ -674,7 +647,7 @@ class Drafter(BaseDrafter):
                 row_of, children = {}, []
                 for row, node in enumerate(cands.frontier, start=offset):
                     row_of[node] = row
-                    children += cands.grow(node, *nexts[row])
+                    children += cands.grow(node, nexts[row])
                 offset += len(cands.frontier)
                 cands.set_frontier(children)
                 parent_rows[job.index] = [row_of[cands.parents[c]] for c in cands.frontier]
