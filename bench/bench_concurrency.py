@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import platform
 import shlex
@@ -142,6 +143,15 @@ def prompts_for(concurrency: int, num_prompts: int) -> int:
     """Prompts run at one concurrency: `num_prompts`, or for 0 max(16, 2 x concurrency)
     (two waves of requests at least)."""
     return num_prompts or max(16, 2 * concurrency)
+
+
+def prompts_for_time(default: int, concurrency: int, tokens_per_s: float, seconds: float,
+                     max_new_tokens: int) -> int:
+    """Prompts that keep a run at `tokens_per_s` busy for at least `seconds`: never fewer than
+    `default`, and a whole number of waves of `concurrency` requests (so the last wave is as
+    full as the others)."""
+    need = max(default, math.ceil(seconds * tokens_per_s / max_new_tokens))
+    return math.ceil(need / concurrency) * concurrency
 
 
 def cpu_model() -> str:
@@ -233,7 +243,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"prompts{prompt_len} x {settings['max_new_tokens']} new tokens, greedy; "
         f"{settings['repeats']} runs per mode, interleaved, medians, after "
         f"{settings.get('warmup', 0)} untimed {', '.join(warm[:-1])} and {warm[-1]} run(s) at "
-        f"each concurrency." + acceptance_line(report),
+        f"each concurrency" + (f"; timed runs sized to last at least {settings['min_run_s']:g} s "
+                               "at the fastest mode's warm-up rate" if settings.get("min_run_s")
+                               else "") + "." + acceptance_line(report),
         "",
     ]
     names = {"OFF": "OFF", "ON": "ON", "static": f"static (<={threshold})", "adaptive": "adaptive"}
@@ -355,6 +367,17 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                 print(f"warm-up: concurrency {concurrency}, {mode}: {stats.tokens_per_s:.1f} "
                       f"tok/s ({stats.wall_s:.1f} s, not counted); "
                       f"{time.perf_counter() - start:.0f} s so far", file=sys.stderr, flush=True)
+        if args.min_run_s and entry["warmup_tokens_per_s"][warm_modes[0]]:
+            # Sized by time, not by prompts: a run of a few seconds is at the noise of a shared
+            # machine (runs of 3.5 s at 8 streams varied by 1.3x for one mode and policy). The
+            # fastest mode's warm-up rate sets the size, so every mode runs at least that long.
+            fastest = max(max(rates) for rates in entry["warmup_tokens_per_s"].values())
+            count = prompts_for_time(len(prompts), concurrency, fastest, args.min_run_s,
+                                     args.max_new_tokens)
+            prompts = [all_prompts[i % len(all_prompts)] for i in range(count)]
+            entry["num_prompts"] = count
+            print(f"concurrency {concurrency}: {count} prompts per timed run (at least "
+                  f"{args.min_run_s:g} s at {fastest:.1f} tok/s)", file=sys.stderr, flush=True)
         for repeat in range(args.repeats):
             for mode in modes:  # interleaved, so drift hits all alike
                 trees, misses = draft_counts(draft)
@@ -466,6 +489,10 @@ def main(argv: list[str] | None = None) -> int:
                              "(cycled)")
     parser.add_argument("--num-prompts", type=int, default=0,
                         help="prompts per concurrency (0: max(16, 2 x concurrency))")
+    parser.add_argument("--min-run-s", type=float, default=0.0,
+                        help="size each timed run by time: enough prompts (cycled, whole waves "
+                             "of the concurrency) that the fastest mode's warm-up rate would "
+                             "take this long (0: --num-prompts decides; needs --warmup >= 1)")
     parser.add_argument("--prompt-len", type=int, default=64, help="with --prompts heldout")
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode; medians reported")
@@ -486,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.static_threshold, args.warmup) < 0 or min(args.repeats, args.max_new_tokens) < 1:
         parser.error("--static-threshold and --warmup must be >= 0, --repeats and "
                      "--max-new-tokens >= 1")
+    if args.min_run_s < 0 or (args.min_run_s and not args.warmup):
+        parser.error("--min-run-s must be >= 0, and sizes runs from the warm-up's rates: "
+                     "it needs --warmup >= 1")
     replay = args.draft_kind == REPLAY
     if args.random_8b and not args.device.startswith("cuda"):
         parser.error(f"--random-8b builds a Llama-3.1-8B-shaped bf16 checkpoint (16 GB) on the "
@@ -511,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
                      "shape_name": args.shape, "shape": list(SHAPES[args.shape]),
                      "static_threshold": args.static_threshold, "prompts": args.prompts,
                      "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
-                     "repeats": args.repeats, "warmup": args.warmup,
+                     "repeats": args.repeats, "warmup": args.warmup, "min_run_s": args.min_run_s,
                      "concurrency": args.concurrency, "modes": args.modes,
                      "random_weights": args.random_8b, "max_context": args.max_context or None,
                      "replay_corrupt_rate": args.replay_corrupt_rate if replay else None},

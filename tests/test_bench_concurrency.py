@@ -171,3 +171,13 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     header = table.read_text().splitlines()[0]
     assert "replay(records.jsonl, corrupt 0.00) draft" in header
     assert f"{depth:.2f} expected at corrupt 0.00; replay misses in timed runs: 0 of" in header
+
+
+def test_runs_sized_by_time_take_whole_waves_and_never_fewer_prompts():
+    # 10 s at 216 tok/s of 48 new tokens is 45 prompts: 6 waves of 8.
+    assert bc.prompts_for_time(16, 8, 216.0, 10.0, 48) == 48
+    assert bc.prompts_for_time(16, 1, 10.0, 10.0, 48) == 16  # already long enough
+    assert bc.prompts_for_time(128, 64, 300.0, 10.0, 48) == 128
+    assert bc.prompts_for_time(16, 3, 100.0, 10.0, 48) == 21  # 20.8 -> 21, a multiple of 3
+    with pytest.raises(SystemExit):
+        bc.main(["--min-run-s", "5", "--warmup", "0"])
