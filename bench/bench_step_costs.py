@@ -38,8 +38,9 @@ from bench_decode_floor import BANDWIDTH_TB_S, LLAMA_31_8B
 from draft_service.drafter import Drafter, DrafterLimits, TreeShape
 from draft_service.models import Eagle3Draft
 from draft_service.startup import warmup_inputs
-from draft_service.tree_search import FlashInferPrefix, TreeSearch
+from draft_service.tree_search import TreeSearch
 from splitspec.attention import AttentionShape, SeqAttention, choose_backend, make_backend
+from splitspec.attention.cascade import prefix_attention_for
 from splitspec.attention.flashinfer_backend import FlashInferBackend
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
 from splitspec.cuda_graphs import StepGraphs
@@ -49,7 +50,7 @@ from splitspec.model.eagle3 import Eagle3Head
 from splitspec.model.layers import use_fused_kernels
 from splitspec.model.llama import LlamaForCausalLM
 from splitspec.model.loader import allocate, finish, parse_dtype
-from splitspec.tree import positions, verify_mask
+from splitspec.tree import ancestor_mask, positions
 from target_service.runner import ForwardBatch, ModelRunner
 
 PAGE = 16
@@ -142,7 +143,7 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
     parents = TREE_PARENTS.get(args.tree_nodes) or [0] * args.tree_nodes
     nodes = len(parents)
     verify = ForwardBatch(torch.randint(0, cfg.vocab_size, (nodes + 1,)), positions(parents, n),
-                          [SeqAttention(table, n + 1 + nodes, nodes + 1, verify_mask(parents, n))],
+                          [SeqAttention(table, n + 1 + nodes, nodes + 1, tree=ancestor_mask(parents))],
                           list(range(nodes + 1)))
     params = sum(p.numel() for p in model.parameters())
     result = {"parameters": params, "backend": name, "graphs": graphs is not None,
@@ -197,7 +198,7 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
     pool = PagePool(pages)
     search = None
     if isinstance(backend, FlashInferBackend) and args.graphs:  # as the draft service's start-up
-        search = TreeSearch(model, cache, FlashInferPrefix(backend))
+        search = TreeSearch(model, cache, prefix_attention_for(backend))
         search.capture(backend, (1,), [(args.topk, args.depth)], pool.allocate(1)[0],
                        limits.max_context)
     drafter = Drafter(model, cache, pool, backend, limits, search)

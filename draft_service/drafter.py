@@ -45,8 +45,9 @@ from typing import Any, NamedTuple
 import torch
 
 from draft_service.models import DraftModel, EntrySpan
-from draft_service.tree_search import TreeSearch, prefix_attention_for
+from draft_service.tree_search import TreeSearch
 from splitspec.attention.base import AttentionBackend, SeqAttention
+from splitspec.attention.cascade import prefix_attention_for
 from splitspec.kv_cache import KVCache, OutOfPages, PagePool, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.loader import DTYPES

@@ -29,7 +29,7 @@ from draft_service.drafter import (
 from draft_service.models import REPLAY, DraftModel, DraftSpec, load_draft_model, read_spec
 from draft_service.replay import ReplayBook, ReplayDrafter, read_replay_spec
 from draft_service.servicer import DraftServicer, draft_fault_from_env, draft_info
-from draft_service.tree_search import FlashInferPrefix, TreeSearch
+from draft_service.tree_search import TreeSearch
 from splitspec.attention import (
     AttentionBackend,
     AttentionShape,
@@ -37,6 +37,7 @@ from splitspec.attention import (
     choose_backend,
     make_backend,
 )
+from splitspec.attention.cascade import prefix_attention_for
 from splitspec.cuda_graphs import buckets_up_to
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, Startup
@@ -113,7 +114,7 @@ def capture_cuda_graphs(cfg: DraftConfig, model: DraftModel, cache: KVCache, poo
     shapes = [(min(topk, model.draft_vocab_size), depth) for topk, depth in cfg.graph_shapes]
     if not shapes:
         return Detailed(None, "no-op: --graph-trees is empty")
-    search = TreeSearch(model, cache, FlashInferPrefix(backend))
+    search = TreeSearch(model, cache, prefix_attention_for(backend))
     (pad_page,) = pool.allocate(1)  # the padding rows' page, never given back
     buckets = buckets_up_to(cfg.max_running)
     took = search.capture(backend, buckets, shapes, pad_page, cfg.max_context)

@@ -17,139 +17,30 @@ A frontier node at depth j of sequence b attends to
   [layers, 2, B, depth - 1, k, H_kv, D] (level j - 1 holds the depth-j frontier),
 
 and the two parts are merged by their log-sum-exp: exactly the softmax over
-the union, which is what the host form computes with one masked pass. On
-CUDA the scratch part and the merge are one Triton kernel
-(splitspec/kernels/tree_attention.py; the torch form here is its reference).
+the union, which is what the host form computes with one masked pass
+(splitspec/attention/cascade.py, shared with the target's tree verification;
+on CUDA the scratch part and the merge are one Triton kernel).
 Ancestry is a [B, k, depth - 1, k] boolean table: a child inherits its
 parent's row and marks itself at its own level.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAttention
-from splitspec.attention.flashinfer_backend import FlashInferBackend, PagedLayout, import_flashinfer
-from splitspec.kernels import HAS_TRITON
+from splitspec.attention.cascade import FlashInferPrefix, PrefixAttention, cascade_attention
+from splitspec.attention.flashinfer_backend import FlashInferBackend
 from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
 
 if TYPE_CHECKING:
     from draft_service.drafter import TreeShape
     from draft_service.models import DraftModel
-
-LN2 = math.log(2.0)
-
-
-def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention in float32 with its log-sum-exp.
-
-    q [B, R, H_kv, G, D] (G query heads per KV head); k, v [B, T, H_kv, D]; mask [B, R or 1, T]
-    bool (True = may attend). Returns out [B, R, H_kv, G, D] and lse [B, R, H_kv, G] (natural
-    log; -inf for a row that sees nothing, whose out is then NaN-free zeros after merging).
-    """
-    scores = torch.einsum("brhgd,bthd->brhgt", q.float(), k.float()) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(~mask[:, :, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    weights = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
-    return torch.einsum("brhgt,bthd->brhgd", weights, v.float()), lse
-
-
-def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                    lse_b: torch.Tensor) -> torch.Tensor:
-    """Attention over the union of two disjoint key sets from each set's (out [..., D], lse [...])."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
-
-
-class PrefixAttention(ABC):
-    """Attention of every frontier row over its sequence's committed entries (kv_len = its
-    number of entries, no mask): planned once per draft call, run per layer and level."""
-
-    lse_scale = 1.0  # what turns attend()'s log-sum-exp into a natural log
-
-    @abstractmethod
-    def plan(self, tables: list[PageTable], num_entries: list[int], rows_per_seq: int,
-             device: torch.device) -> None:
-        """Sequence b's rows are rows b * rows_per_seq ... of every later :meth:`attend`."""
-
-    @abstractmethod
-    def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [N, H, D] -> out [N, H, D], lse [N, H] (times lse_scale: natural log)."""
-
-
-class TorchPrefix(PrefixAttention):
-    """The reference: each sequence's entries gathered from the pages, padded to the longest."""
-
-    def plan(self, tables: list[PageTable], num_entries: list[int], rows_per_seq: int,
-             device: torch.device) -> None:
-        longest = max(num_entries)
-        slots, valid = [], []
-        for table, n in zip(tables, num_entries, strict=True):
-            own = table.global_slots(0, n)
-            slots.append(torch.cat((own, own[:1].expand(longest - n))))  # padding: never attended
-            valid.append(torch.arange(longest) < n)
-        self._slots = torch.stack(slots).to(device)              # [B, T]
-        self._valid = torch.stack(valid).to(device)[:, None, :]  # [B, 1, T]
-        self._rows = rows_per_seq
-
-    def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t = self._slots.shape
-        k, v = cache.read(layer, self._slots.reshape(-1))
-        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
-        out, lse = masked_attention(q.view(b, self._rows, kv_heads, heads // kv_heads, dim),
-                                    k.view(b, t, kv_heads, dim), v.view(b, t, kv_heads, dim),
-                                    self._valid)
-        return out.reshape(q.shape), lse.reshape(q.shape[:2])
-
-
-class FlashInferPrefix(PrefixAttention):
-    """flashinfer's paged decode, one request per frontier row over its sequence's pages.
-
-    With ``graph_rows`` the wrapper is built for CUDA graphs: exactly that many rows, each
-    over at most ``max_pages`` pages, planned (outside the graph) before each replay."""
-
-    lse_scale = LN2  # flashinfer's log-sum-exp is base 2
-
-    def __init__(self, backend: FlashInferBackend, graph_rows: int = 0, max_pages: int = 0) -> None:
-        flashinfer = import_flashinfer()
-        self.shape = backend.shape
-        buffers = {}
-        if graph_rows:
-            def int32(n: int) -> torch.Tensor:
-                return torch.zeros(n, dtype=torch.int32, device=backend.device)
-
-            buffers = {"use_cuda_graph": True, "paged_kv_indptr_buffer": int32(graph_rows + 1),
-                       "paged_kv_indices_buffer": int32(graph_rows * max_pages),
-                       "paged_kv_last_page_len_buffer": int32(graph_rows)}
-        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            backend.workspace, "NHD", use_tensor_cores=backend.shape.use_tensor_cores, **buffers)
-
-    def plan(self, tables: list[PageTable], num_entries: list[int], rows_per_seq: int,
-             device: torch.device) -> None:
-        shape = self.shape
-        rows = [SeqAttention(table, n, 1) for table, n in zip(tables, num_entries, strict=True)
-                for _ in range(rows_per_seq)]
-        layout = PagedLayout.of(rows, shape.page_size)
-        self._wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.last_page_len,
-                           shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size,
-                           pos_encoding_mode="NONE", q_data_type=shape.dtype,
-                           kv_data_type=shape.dtype)
-
-    def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._wrapper.run(q.contiguous(), cache.data[layer], return_lse=True)
-
-
-def prefix_attention_for(backend: AttentionBackend) -> PrefixAttention:
-    return FlashInferPrefix(backend) if isinstance(backend, FlashInferBackend) else TorchPrefix()
-
 
 @dataclass
 class NodeMetadata(AttentionMetadata):
@@ -175,16 +66,8 @@ class NodeAttention(AttentionBackend):
         seen = (level + 1) * width
         keys = scratch[0, :, : level + 1].reshape(b, seen, kv_heads, dim)
         values = scratch[1, :, : level + 1].reshape(b, seen, kv_heads, dim)
-        allowed = meta.ancestry[:, :, :seen]
-        out_p, lse_p = meta.prefix.attend(layer, q, cache)
-        if q.is_cuda and HAS_TRITON:  # one kernel for the scratch part and the merge
-            from splitspec.kernels.tree_attention import tree_attention
-
-            return tree_attention(q, keys, values, allowed, out_p, lse_p, meta.prefix.lse_scale)
-        out_t, lse_t = masked_attention(q.view(b, width, kv_heads, -1, dim), keys, values, allowed)
-        merged = merge_attention(out_p.float(), lse_p * meta.prefix.lse_scale,
-                                 out_t.reshape(q.shape), lse_t.reshape(q.shape[:2]))
-        return merged.to(q.dtype)
+        return cascade_attention(layer, q, keys, values, meta.ancestry[:, :, :seen], meta.prefix,
+                                 cache)
 
 
 @dataclass
@@ -274,7 +157,7 @@ class TreeSearch:
         max_pages = -(-max_context // page)
         for topk, depth in shapes:
             for size in sorted(buckets, reverse=True):
-                prefix = FlashInferPrefix(backend, size * topk, max_pages)
+                prefix = FlashInferPrefix(backend.shape, backend.workspace, size * topk, max_pages)
                 prefix.plan([self._pad_table] * size, [1] * size, topk, device)
                 roots = torch.zeros(size, self.model.state_width, dtype=self.model.dtype, device=device)
                 positions = torch.zeros(size * topk, dtype=torch.int64, device=device)

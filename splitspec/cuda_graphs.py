@@ -3,18 +3,21 @@
 A step in which every sequence brings the same number q of tokens and wants
 the logits of all of them is the same sequence of kernels at every step of a
 given batch size: plain decode (q = 1, causal) and tree verification (q =
-nodes + 1, a tree mask). Such steps are captured once per (bucket, q,
-captured features) during the ``capture_cuda_graphs`` init step and replayed.
-A batch of n sequences runs the graph of the smallest bucket >= n; the rows
-beyond n are padding: token 0 at position 0 on scratch pages no sequence
-owns, attending to those pages alone. Prompts, mixed batches, trees of other
-sizes and batches larger than the largest bucket run eagerly.
+nodes + 1, each sequence's ``SeqAttention.tree``). Such steps are captured
+once per (bucket, q, captured features) during the ``capture_cuda_graphs``
+init step and replayed. A batch of n sequences runs the graph of the smallest
+bucket >= n; the rows beyond n are padding: token 0 on scratch pages no
+sequence owns, attending to those pages alone. Prompts, mixed batches, trees
+of other sizes and batches larger than the largest bucket run eagerly.
 
 Before each replay only host work happens outside the graph: the inputs are
-copied into the graph's static buffers, and its flashinfer wrapper (built in
-CUDA-graph mode with buffers of its own: the decode kernel for q = 1, the FA2
-prefill kernel with a custom mask for trees) is planned for the real pages and
-masks. The outputs are the graph's static buffers, cloned before they are
+copied into the graph's static buffers, and its flashinfer decode wrapper
+(built in CUDA-graph mode with buffers of its own) is planned for the real
+pages. For q = 1 that wrapper is the whole attention. A verify graph attends
+in two parts (splitspec/attention/cascade.py): the wrapper runs q rows per
+sequence over its committed slots, and the tree's own K/V, dense, go through
+the [q, q] tree tables copied into a static buffer; no [q, kv_len] mask is
+built. The outputs are the graph's static buffers, cloned before they are
 returned.
 """
 
@@ -27,13 +30,13 @@ from typing import Any, NamedTuple
 import torch
 
 from splitspec.attention.base import SeqAttention
+from splitspec.attention.cascade import FlashInferPrefix, TreeVerifyAttention, TreeVerifyMetadata
 from splitspec.attention.flashinfer_backend import (
     WORKSPACE_BYTES,
     AttentionShape,
     FlashInferMetadata,
     PagedLayout,
     PlannedAttention,
-    flat_mask,
     import_flashinfer,
 )
 from splitspec.kv_cache import KVCache, PageTable
@@ -58,10 +61,12 @@ class GraphKey(NamedTuple):
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    wrapper: Any                 # flashinfer wrapper in CUDA-graph mode, planned before replay
+    wrapper: Any                 # decode wrapper (q = 1) or FlashInferPrefix (verify), in
+                                 # CUDA-graph mode, planned before replay
     ids: torch.Tensor            # [b * q] static inputs
     positions: torch.Tensor
     write_slots: torch.Tensor
+    trees: torch.Tensor | None   # [b, q, q] static input of a verify graph
     logits: torch.Tensor         # [b * q, V] static outputs
     aux: torch.Tensor | None     # [b * q, k * H]
 
@@ -71,7 +76,7 @@ class StepGraphs:
 
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, shape: AttentionShape,
                  scratch_pages: list[int], max_kv_len: int, device: torch.device | str) -> None:
-        """``scratch_pages`` hold the padding rows (enough for the largest q);
+        """``scratch_pages`` hold the padding rows (enough for the largest q plus one);
         ``max_kv_len`` bounds every sequence's kv_len (sizes the page and mask buffers)."""
         self.model, self.cache, self.shape = model, cache, shape
         self.scratch_pages, self.max_kv_len = scratch_pages, max_kv_len
@@ -87,7 +92,7 @@ class StepGraphs:
         q (1 = decode; n + 1 = a tree of n nodes) and capture variant (the layer inputs a
         draft may ask for); returns the seconds taken."""
         room = len(self.scratch_pages) * self.shape.page_size
-        if max(q_lens) > room:
+        if max(q_lens) + 1 > room:
             raise ValueError(f"q={max(q_lens)} needs more than the {room} scratch slots")
         started = time.perf_counter()
         for capture in variants:
@@ -107,8 +112,9 @@ class StepGraphs:
         q_len = seqs[0].q_len
         if any(seq.q_len != q_len for seq in seqs):
             return None
-        # decode: causal, no mask; verify: every sequence a tree mask (a prompt is causal).
-        if any((seq.mask is None) != (q_len == 1) for seq in seqs):
+        # decode: causal; verify: every sequence a tree (a prompt is causal; a full mask is
+        # for the one-pass backends).
+        if any(seq.mask is not None or (seq.tree is None) != (q_len == 1) for seq in seqs):
             return None
         if logit_rows != list(range(q_len * len(seqs))):
             return None
@@ -125,6 +131,8 @@ class StepGraphs:
         padded = [*seqs, *self._padding(size - len(seqs), q_len)]
         layout = PagedLayout.of(padded, self.shape.page_size)
         self._plan(g.wrapper, layout, padded, q_len)
+        if g.trees is not None:
+            g.trees.copy_(torch.stack([seq.tree for seq in padded]), non_blocking=True)
         g.ids[:rows].copy_(ids, non_blocking=True)
         g.ids[rows:].zero_()
         g.positions[:rows].copy_(positions, non_blocking=True)
@@ -134,48 +142,39 @@ class StepGraphs:
         return g.logits[:rows].clone(), None if g.aux is None else g.aux[:rows].clone()
 
     def _padding(self, count: int, q_len: int) -> list[SeqAttention]:
+        """Padding rows on the scratch pages: a verify row's committed part is one slot."""
         page = self.shape.page_size
-        table = PageTable(page, self.scratch_pages[: -(-q_len // page)], q_len)
-        mask = None if q_len == 1 else torch.ones(q_len, q_len, dtype=torch.bool)
-        return [SeqAttention(table, kv_len=q_len, q_len=q_len, mask=mask)] * count
+        if q_len == 1:
+            return [SeqAttention(PageTable(page, self.scratch_pages[:1], 1), 1, 1)] * count
+        table = PageTable(page, self.scratch_pages[: -(-(q_len + 1) // page)], q_len + 1)
+        tree = torch.ones(q_len, q_len, dtype=torch.bool)
+        return [SeqAttention(table, kv_len=q_len + 1, q_len=q_len, tree=tree)] * count
 
     def _plan(self, wrapper: Any, layout: PagedLayout, seqs: list[SeqAttention], q_len: int) -> None:
         shape = self.shape
-        heads = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size)
-        types = {"q_data_type": shape.dtype, "kv_data_type": shape.dtype}
         if q_len == 1:
-            wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.last_page_len, *heads,
-                         pos_encoding_mode="NONE", **types)
-        else:
-            wrapper.plan(layout.qo_indptr, layout.kv_indptr, layout.kv_indices,
-                         layout.last_page_len, *heads, custom_mask=flat_mask(seqs, self.device),
-                         causal=False, **types)
+            wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.last_page_len,
+                         shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size,
+                         pos_encoding_mode="NONE", q_data_type=shape.dtype,
+                         kv_data_type=shape.dtype)
+        else:  # the committed slots, each sequence's q rows over them
+            wrapper.plan([seq.table for seq in seqs], [seq.kv_len - q_len for seq in seqs],
+                         q_len, self.device)
 
     def _wrapper(self, size: int, q_len: int) -> Any:
-        flashinfer = import_flashinfer()
-        device, page = self.device, self.shape.page_size
-        pages_per_seq = -(-self.max_kv_len // page)
+        pages_per_seq = -(-self.max_kv_len // self.shape.page_size)
+        if q_len > 1:
+            return FlashInferPrefix(self.shape, self.workspace, size * q_len, pages_per_seq)
 
         def int32(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int32, device=device)
+            return torch.zeros(n, dtype=torch.int32, device=self.device)
 
-        if q_len == 1:
-            return flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self.workspace, "NHD", use_cuda_graph=True,
-                use_tensor_cores=self.shape.use_tensor_cores,
-                paged_kv_indptr_buffer=int32(size + 1),
-                paged_kv_indices_buffer=int32(size * pages_per_seq),
-                paged_kv_last_page_len_buffer=int32(size))
-        # The packed mask: q_len * kv_len bits per sequence, each sequence's rounded up to
-        # whole bytes, and room to spare for flashinfer's alignment.
-        mask_bytes = size * (-(-q_len * self.max_kv_len // 8) + 4) + 64
-        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, backend="fa2",
-            qo_indptr_buf=int32(size + 1), paged_kv_indptr_buf=int32(size + 1),
-            paged_kv_indices_buf=int32(size * pages_per_seq),
-            paged_kv_last_page_len_buf=int32(size),
-            custom_mask_buf=torch.zeros(mask_bytes, dtype=torch.uint8, device=device),
-            mask_indptr_buf=int32(size + 1))
+        return import_flashinfer().BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True,
+            use_tensor_cores=self.shape.use_tensor_cores,
+            paged_kv_indptr_buffer=int32(size + 1),
+            paged_kv_indices_buffer=int32(size * pages_per_seq),
+            paged_kv_last_page_len_buffer=int32(size))
 
     def _capture(self, size: int, q_len: int, capture: tuple[int, ...]) -> _Graph:
         device = self.device
@@ -186,8 +185,14 @@ class StepGraphs:
         ids = torch.zeros(size * q_len, dtype=torch.int64, device=device)
         positions = torch.zeros(size * q_len, dtype=torch.int64, device=device)
         write_slots = layout.write_slots.to(device)
-        ctx = AttentionContext(PlannedAttention(), FlashInferMetadata(write_slots, wrapper),
-                               self.cache)
+        trees = None
+        if q_len == 1:
+            ctx = AttentionContext(PlannedAttention(), FlashInferMetadata(write_slots, wrapper),
+                                   self.cache)
+        else:
+            trees = torch.ones(size, q_len, q_len, dtype=torch.bool, device=device)
+            ctx = AttentionContext(TreeVerifyAttention(),
+                                   TreeVerifyMetadata(write_slots, wrapper, trees), self.cache)
 
         def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
             out = self.model(ids, positions, ctx, capture)
@@ -203,4 +208,4 @@ class StepGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 logits, aux = forward()
-        return _Graph(graph, wrapper, ids, positions, write_slots, logits, aux)
+        return _Graph(graph, wrapper, ids, positions, write_slots, trees, logits, aux)

@@ -32,9 +32,9 @@ from splitspec.tree import (
     Proposal,
     Tree,
     accept_tree,
+    ancestor_mask,
     depths,
     tree_error,
-    verify_mask,
 )
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
 from target_service.draft_client import DraftLink
@@ -485,9 +485,9 @@ class Engine:
             ids.append(seq.tokens[-1])
             ids.extend(tree.tokens)
             pos.extend(length + d for d in depths(tree.parents))
-            mask = verify_mask(tree.parents, length) if tree.num_nodes else None
             attn.append(SeqAttention(seq.table, kv_len=length + 1 + tree.num_nodes,
-                                     q_len=1 + tree.num_nodes, mask=mask))
+                                     q_len=1 + tree.num_nodes,
+                                     tree=ancestor_mask(tree.parents) if tree.num_nodes else None))
         starts = list(itertools.accumulate([a.q_len for a in attn], initial=0))
         logit_rows = [starts[i + 1] - 1 for i in range(len(prefill))]
         for i in range(len(prefill), len(attn)):

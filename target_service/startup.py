@@ -199,8 +199,8 @@ def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
     if runner.model.tp.size > 1:  # collectives inside captured graphs: not yet tried on NCCL
         return Detailed(None, "none with --tp > 1 yet: eager decode")
     q_lens = (1, cfg.num_draft_tokens + 1) if cfg.draft else (1,)
-    # The padding rows' pages; every rank takes the same ones.
-    scratch = pool.allocate(-(-max(q_lens) // cfg.page_size))
+    # The padding rows' pages (a verify row's committed slot too); every rank takes the same.
+    scratch = pool.allocate(-(-(max(q_lens) + 1) // cfg.page_size))
     graphs = StepGraphs(runner.model, runner.cache, shape, scratch,
                         cfg.max_context + cfg.max_tree_nodes + 1, device)
     variants = ((), default_capture(num_layers)) if cfg.draft else ((),)

@@ -132,7 +132,7 @@ def check_tree(device: str, dtype: torch.dtype, seqs: int, width: int, levels: i
     """splitspec.kernels.tree_attention against the torch form (masked_attention, then the
     log-sum-exp merge): keys and values are slices of a [B, levels, width, H_kv, D] scratch, as
     the drafting levels pass them; every row sees itself and a random set of other nodes."""
-    from draft_service.tree_search import masked_attention, merge_attention
+    from splitspec.attention.cascade import masked_attention, merge_attention
     from splitspec.kernels.tree_attention import tree_attention
 
     gen = torch.Generator().manual_seed(seqs * 31 + width * 7 + levels)

@@ -2,10 +2,13 @@
 
 - the flashinfer backend against the torch backend (the reference), bf16, GQA,
   over paged caches: decode, causal prefill, prefill over a cached prefix, a
-  tree mask, and all of them mixed in one batch;
+  tree, and all of them mixed in one batch; and the verify graphs' attention in
+  two parts (splitspec/attention/cascade.py) against the same reference;
 - the step CUDA graphs (decode, and verify of a tree) against eager steps with
   the same backend, including padded buckets and sequences crossing page
-  boundaries, and what they leave to eager steps;
+  boundaries, and what they leave to eager steps (a verify graph attends in two
+  parts, splitspec/attention/cascade.py, the eager step through FA2's custom
+  mask: two implementations checked against each other);
 - the target service on the GPU: speculation ON against OFF in bf16 (the
   share of identical greedy tokens is printed), and a fault injected into
   ``capture_cuda_graphs`` fails start-up naming that step;
@@ -29,19 +32,20 @@ from draft_service.config import DraftConfig
 from draft_service.drafter import Drafter, DrafterLimits, TreeShape
 from draft_service.models import load_draft_model, read_spec
 from draft_service.startup import allocate_kv_cache, warmup_inputs
-from draft_service.tree_search import FlashInferPrefix, TorchPrefix, TreeSearch
+from draft_service.tree_search import TreeSearch
 from splitspec.attention import (
     AttentionShape,
     FlashInferBackend,
     SeqAttention,
     TorchAttentionBackend,
 )
+from splitspec.attention.cascade import TorchPrefix, prefix_attention_for
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
 from splitspec.cuda_graphs import StepGraphs
 from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.loader import load_llama
-from splitspec.tree import positions, verify_mask
+from splitspec.tree import ancestor_mask, positions, verify_mask
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parent.parent
@@ -55,23 +59,26 @@ def paged_cache(num_pages: int = 64) -> tuple[KVCache, PagePool]:
     return cache, PagePool(num_pages)
 
 
-def seq(pool: PagePool, kv_len: int, q_len: int, mask: torch.Tensor | None = None) -> SeqAttention:
+def seq(pool: PagePool, kv_len: int, q_len: int, mask: torch.Tensor | None = None,
+        tree: torch.Tensor | None = None) -> SeqAttention:
     table = PageTable(PAGE)
     table.reserve(pool, kv_len)
     table.num_slots = kv_len
-    return SeqAttention(table, kv_len, q_len, mask)
+    return SeqAttention(table, kv_len, q_len, mask, tree)
+
+
+TREE = [0, 0, 0, 1, 1, 2, 4, 6]  # 8 nodes below the root, depth 4
 
 
 def tree_mask(prefix: int) -> torch.Tensor:
-    parents = [0, 0, 0, 1, 1, 2, 4, 6]  # 8 nodes below the root, depth 4
-    return verify_mask(parents, prefix)
+    return verify_mask(TREE, prefix)
 
 
 BATCHES = {
     "decode": lambda pool: [seq(pool, 1, 1), seq(pool, 17, 1), seq(pool, 100, 1)],
     "prefill": lambda pool: [seq(pool, 37, 37), seq(pool, 5, 5)],
     "prefix": lambda pool: [seq(pool, 50, 6)],
-    "tree": lambda pool: [seq(pool, 40 + 9, 9, tree_mask(40))],
+    "tree": lambda pool: [seq(pool, 40 + 9, 9, tree=ancestor_mask(TREE))],
     "mixed": lambda pool: [seq(pool, 33, 33), seq(pool, 70, 1),
                            seq(pool, 20 + 9, 9, tree_mask(20)), seq(pool, 64, 3)],
 }
@@ -97,6 +104,36 @@ def test_flashinfer_matches_torch_backend(kind):
     assert error < 2e-2, error
 
 
+def test_tree_verify_in_two_parts_matches_torch_backend():
+    """The verify graphs' attention (cascade.py: flashinfer's decode over the committed slots,
+    the Triton kernel over the trees, merged) against the torch backend's one pass with the
+    spelled-out mask: two sequences of different lengths and trees, across pages."""
+    from splitspec.attention.cascade import TreeVerifyAttention, TreeVerifyMetadata
+    from splitspec.attention.flashinfer_backend import PagedLayout
+
+    torch.manual_seed(0)
+    cache, pool = paged_cache()
+    chain = list(range(8))  # 8 nodes in a line
+    seqs = [seq(pool, 40 + 9, 9, tree=ancestor_mask(TREE)),
+            seq(pool, 17 + 9, 9, tree=ancestor_mask(chain))]
+    q = torch.randn(18, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(18, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn(18, KV_HEADS, DIM, dtype=torch.bfloat16, device="cuda")
+    shape = AttentionShape(HEADS, KV_HEADS, DIM, PAGE, torch.bfloat16)
+    prefix = prefix_attention_for(FlashInferBackend(shape, "cuda"))
+    prefix.plan([s.table for s in seqs], [s.kv_len - 9 for s in seqs], 9, "cuda")
+    meta = TreeVerifyMetadata(PagedLayout.of(seqs, PAGE).write_slots.cuda(), prefix,
+                              torch.stack([s.tree for s in seqs]).cuda())
+    reference = TorchAttentionBackend()
+    other = KVCache(1, cache.num_pages, PAGE, KV_HEADS, DIM, torch.bfloat16, "cuda")
+    other.data.copy_(cache.data)
+    got = TreeVerifyAttention().forward(0, q, k, v, meta, cache)
+    want = reference.forward(0, q, k, v, reference.plan(seqs, "cuda"), other)
+    assert torch.equal(cache.data, other.data)  # both wrote the new K/V to the same slots
+    error = (got.float() - want.float()).abs().max().item()
+    assert error < 2e-2, error
+
+
 def test_flashinfer_refuses_float32_and_cpu():
     with pytest.raises(ValueError, match="bfloat16 or float16"):
         FlashInferBackend(AttentionShape(HEADS, KV_HEADS, DIM, PAGE, torch.float32), "cuda")
@@ -108,8 +145,9 @@ def graphed_and_eager_runs(steps: int, tree: list[int] | None) -> dict:
     """Three sequences (bucket 4: one padding row) decode ``steps`` steps with the built-in
     target, crossing pages, once eagerly and once through the graphs; each step either
     plain (tree None) or verifying a fixed tree of draft tokens below the last token
-    (committing only the root's choice, so the sequences advance one token a step).
-    Returns per run the tokens chosen and the logits."""
+    (committing only the root, so the sequences advance one token a step). The roots are
+    fixed tokens, not the runs' own choices, so both runs see the same inputs at every
+    step. Returns per run the tokens chosen and the logits."""
     model = load_llama(BUILTIN_TARGET, torch.bfloat16, "cuda")
     cfg = model.config
     shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, PAGE, torch.bfloat16)
@@ -138,7 +176,7 @@ def graphed_and_eager_runs(steps: int, tree: list[int] | None) -> dict:
             lengths = [len(p) for p in prompts]
             for _ in range(steps):
                 q = nodes + 1
-                attn = [SeqAttention(t, n + q, q, verify_mask(tree, n) if tree else None)
+                attn = [SeqAttention(t, n + q, q, tree=ancestor_mask(tree) if tree else None)
                         for t, n in zip(tables, lengths, strict=True)]
                 ids = torch.tensor([[tok, *[(tok + 1 + i) % cfg.vocab_size for i in range(nodes)]]
                                     for tok in last], device="cuda").reshape(-1)
@@ -155,21 +193,32 @@ def graphed_and_eager_runs(steps: int, tree: list[int] | None) -> dict:
                     logits, aux = model.compute_logits(out.hidden), out.aux
                 assert aux is not None and aux.shape == (3 * q, 2 * cfg.hidden_size)
                 logits_seen.append(logits)
-                last = logits[::q].argmax(dim=-1).tolist()  # the root's choice
+                last = [(7 * n + 3 * i) % cfg.vocab_size for i, n in enumerate(lengths)]
                 chosen.append(logits.argmax(dim=-1).tolist())
                 lengths = [n + 1 for n in lengths]  # keep the root; the tree is overwritten
         runs[graphed] = (chosen, torch.stack(logits_seen))
     return runs
 
 
-@pytest.mark.parametrize("tree", [None, [0, 0, 0, 1, 1, 2, 4, 6]], ids=["decode", "verify"])
+@pytest.mark.parametrize("tree", [None, TREE], ids=["decode", "verify"])
 def test_step_graphs_match_eager_steps(tree):
-    """Graphs (decode, and verify of an 8-node tree) against eager steps of the same backend:
-    the same tokens at every row, logits within bf16 noise."""
+    """Graphs (decode, and verify of an 8-node tree) against eager steps of the same backend.
+    Decode runs the same kernels both ways: the same tokens at every row, logits equal to
+    bf16 noise. A verify graph attends in two parts merged (cascade.py) where the eager
+    step runs FA2 with the spelled-out mask: logits within bf16 rounding of attention
+    (relative to the largest logit), argmax the same but for near-ties."""
     runs = graphed_and_eager_runs(40 if tree is None else 20, tree)
-    assert runs[True][0] == runs[False][0]
-    error = (runs[True][1] - runs[False][1]).abs().max().item()
-    assert error < 1e-3, error
+    graphed, eager = runs[True][1].float(), runs[False][1].float()
+    error = ((graphed - eager).abs().max() / eager.abs().max()).item()
+    same = [a == b for rows_g, rows_e in zip(runs[True][0], runs[False][0], strict=True)
+            for a, b in zip(rows_g, rows_e, strict=True)]
+    print(f"relative logit error {error:.2e}, identical argmax {sum(same)}/{len(same)}")
+    if tree is None:
+        assert all(same)
+        assert error < 1e-4, error
+    else:  # measured on an H200: 1.3e-2 and 530 of 540
+        assert error < 3e-2, error
+        assert sum(same) >= 0.95 * len(same)
 
 
 def test_graphs_refuse_what_they_did_not_capture():
@@ -186,15 +235,17 @@ def test_graphs_refuse_what_they_did_not_capture():
     table = PageTable(PAGE)
     table.reserve(pool, 40)
     decode = SeqAttention(table, 20, 1)
-    tree = SeqAttention(table, 29, 9, verify_mask([0, 0, 0, 1, 1, 2, 4, 6], 20))
+    tree = SeqAttention(table, 29, 9, tree=ancestor_mask(TREE))
     assert graphs.key_for([decode], [0], ()) == (1, 1, ())
     assert graphs.key_for([tree, tree], list(range(18)), ()) == (2, 9, ())
     assert graphs.key_for([SeqAttention(table, 20, 20)], [19], ()) is None       # a prompt
     assert graphs.key_for([decode, tree], list(range(10)), ()) is None            # mixed
     assert graphs.key_for([decode] * 3, [0, 1, 2], ()) is None                    # > bucket
     assert graphs.key_for([decode], [0], (2, 3)) is None                          # features
-    small = SeqAttention(table, 25, 5, verify_mask([0, 0, 1, 2], 20))
+    small = SeqAttention(table, 25, 5, tree=ancestor_mask([0, 0, 1, 2]))
     assert graphs.key_for([small], list(range(5)), ()) is None                    # tree size
+    spelled = SeqAttention(table, 29, 9, verify_mask(TREE, 20))
+    assert graphs.key_for([spelled], list(range(9)), ()) is None                  # full mask
 
 
 def serve(tmp_path: Path, args: list[str], env: dict[str, str] | None = None
@@ -279,7 +330,7 @@ def test_flashinfer_prefix_matches_torch_prefix():
     q = torch.randn(len(lengths) * rows, HEADS, DIM, dtype=torch.bfloat16, device="cuda")
     backend = FlashInferBackend(AttentionShape(HEADS, KV_HEADS, DIM, PAGE, torch.bfloat16), "cuda")
     results = []
-    for prefix in (TorchPrefix(), FlashInferPrefix(backend)):
+    for prefix in (TorchPrefix(), prefix_attention_for(backend)):
         prefix.plan(tables, lengths, rows, torch.device("cuda"))
         out, lse = prefix.attend(0, q, cache)
         results.append((out.float(), lse * prefix.lse_scale))  # natural log for both
@@ -324,9 +375,9 @@ def test_tree_search_graphs_match_eager_search():
     backend = FlashInferBackend(shape, "cuda")
     cache, pool = allocate_kv_cache(cfg, model).value
     cache.data.normal_()
-    graphed = TreeSearch(model, cache, FlashInferPrefix(backend))
+    graphed = TreeSearch(model, cache, prefix_attention_for(backend))
     graphed.capture(backend, (1, 4), [(4, 4)], pool.allocate(1)[0], cfg.max_context)
-    eager = TreeSearch(model, cache, FlashInferPrefix(backend))
+    eager = TreeSearch(model, cache, prefix_attention_for(backend))
     generator = torch.Generator().manual_seed(1)
     for n, tree in ((1, TreeShape(8, 4, 4)), (3, TreeShape(8, 4, 4)), (4, TreeShape(8, 4, 4)),
                     (5, TreeShape(8, 4, 4)), (2, TreeShape(6, 3, 4))):

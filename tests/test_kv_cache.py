@@ -46,3 +46,15 @@ def test_write_then_copy_slots_moves_every_layer():
         assert torch.equal(k_got[1], k[layer, 2]) and torch.equal(k_got[2], k[layer, 4])
         assert torch.equal(v_got[1], v[layer, 2]) and torch.equal(v_got[2], v[layer, 4])
         assert torch.equal(k_got[0], k[layer, 0])
+
+
+def test_repeated_rows_list_each_sequences_pages_once_per_row():
+    from splitspec.attention.cascade import repeated_rows
+
+    tables = [PageTable(4, [7, 2, 9], 10), PageTable(4, [5], 3)]
+    indptr, indices, last = repeated_rows(tables, [9, 3], 2, 4)
+    assert indptr.tolist() == [0, 3, 6, 7, 8]
+    assert indices.tolist() == [7, 2, 9, 7, 2, 9, 5, 5]
+    assert last.tolist() == [1, 1, 3, 3]
+    with pytest.raises(ValueError, match="prefix of 0 slots"):
+        repeated_rows(tables, [9, 0], 1, 4)

@@ -5,12 +5,13 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from splitspec.attention import SeqAttention, TorchAttentionBackend
+from splitspec.attention.cascade import TorchPrefix, TreeVerifyAttention, TreeVerifyMetadata
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.config import Eagle3Config, LlamaConfig, RopeConfig
 from splitspec.model.layers import AttentionContext, rope_inv_freq
 from splitspec.model.loader import load_llama
-from splitspec.tree import Tree, positions, verify_mask
+from splitspec.tree import Tree, ancestor_mask, positions, verify_mask
 
 
 @pytest.fixture(scope="module")
@@ -34,11 +35,18 @@ class Runner:
         self.table = PageTable(4)
         self.table.reserve(self.pool, 100)
 
-    def run(self, ids, pos, kv_len, mask=None, capture=()):
-        meta = self.backend.plan([SeqAttention(self.table, kv_len, len(ids), mask)], "cpu")
+    def run(self, ids, pos, kv_len, mask=None, capture=(), tree=None, cascade=False):
+        seq = SeqAttention(self.table, kv_len, len(ids), mask, tree)
+        if cascade:  # the verify graphs' two-part attention, its prefix the torch reference
+            prefix = TorchPrefix()
+            prefix.plan([self.table], [kv_len - len(ids)], len(ids), "cpu")
+            meta = TreeVerifyMetadata(self.table.global_slots(kv_len - len(ids), kv_len),
+                                      prefix, tree[None])
+            ctx = AttentionContext(TreeVerifyAttention(), meta, self.cache)
+        else:
+            ctx = AttentionContext(self.backend, self.backend.plan([seq], "cpu"), self.cache)
         with torch.inference_mode():
-            out = self.model(torch.tensor(ids), pos, AttentionContext(self.backend, meta, self.cache),
-                             capture)
+            out = self.model(torch.tensor(ids), pos, ctx, capture)
             return self.model.compute_logits(out.hidden), out.aux
 
 
@@ -62,15 +70,20 @@ def test_paged_decode_matches_prefill(models):
         torch.testing.assert_close(step[0], full[i], atol=1e-4, rtol=1e-4)
 
 
-def test_tree_forward_matches_each_branch_decoded_alone(models):
+@pytest.mark.parametrize("form", ["mask", "tree", "cascade"])
+def test_tree_forward_matches_each_branch_decoded_alone(models, form):
+    """The verify pass, with its [q, kv_len] mask, with the [q, q] tree (the one-pass
+    backend spells the mask out), and in two parts merged (splitspec/attention/cascade.py)."""
     ours, _ = models
     prefix = [11, 12, 13, 14, 15]
     tree = Tree(tokens=[21, 22, 23, 24], parents=[0, 0, 1, 3])  # branches: 21-23-24 and 22
     runner = Runner(ours)
     runner.run(prefix[:-1], torch.arange(4), 4)
     root_pos = 4
+    how = ({"mask": verify_mask(tree.parents, 4)} if form == "mask" else
+           {"tree": ancestor_mask(tree.parents), "cascade": form == "cascade"})
     logits, _ = runner.run([prefix[-1], *tree.tokens], positions(tree.parents, root_pos),
-                           kv_len=4 + 5, mask=verify_mask(tree.parents, 4))
+                           kv_len=4 + 5, **how)
     for index, branch in ((3, [21, 23]), (4, [21, 23, 24]), (2, [22])):
         seq = prefix + branch
         ref, _ = Runner(ours).run(seq, torch.arange(len(seq)), len(seq))

@@ -1,7 +1,10 @@
 """Tree utilities, checked against trees worked out by hand."""
 
+import pytest
 import torch
 
+from splitspec.attention import SeqAttention
+from splitspec.kv_cache import PageTable
 from splitspec.tree import (
     EMPTY_TREE,
     Tree,
@@ -40,6 +43,19 @@ def test_verify_mask_sees_whole_prefix():
     assert mask.shape == (5, 8)
     assert mask[:, :3].all()
     assert torch.equal(mask[:, 3:], ancestor_mask(TREE.parents))
+
+
+def test_a_verify_pass_given_its_tree_spells_out_the_verify_mask():
+    table = PageTable(4, [0, 1], 8)
+    seq = SeqAttention(table, kv_len=8, q_len=5, tree=ancestor_mask(TREE.parents))
+    assert not seq.causal
+    assert torch.equal(seq.dense_mask(), verify_mask(TREE.parents, prefix_len=3))
+    assert SeqAttention(table, 8, 5).causal and SeqAttention(table, 8, 5).dense_mask() is None
+    for bad in (SeqAttention(table, 8, 4, tree=ancestor_mask(TREE.parents)),
+                SeqAttention(table, 8, 5, verify_mask(TREE.parents, 3), ancestor_mask(TREE.parents)),
+                SeqAttention(table, 8, 5, mask=ancestor_mask(TREE.parents))):
+        with pytest.raises(ValueError, match="shape"):
+            bad.dense_mask()
 
 
 def test_accept_tree_walks_longest_matching_path():

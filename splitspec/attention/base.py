@@ -26,14 +26,35 @@ from splitspec.kv_cache import KVCache, PageTable
 class SeqAttention:
     """What one sequence brings to a forward pass.
 
-    Invariants: ``q_len <= kv_len <= table.capacity``; ``mask`` is None (causal)
-    or a bool tensor [q_len, kv_len] where True means "may attend".
+    Invariants: ``q_len <= kv_len <= table.capacity``; at most one of ``mask`` and
+    ``tree`` is set, and with neither the mask is causal. ``mask`` is a bool tensor
+    [q_len, kv_len] where True means "may attend"; ``tree`` [q_len, q_len] says the
+    same of a verify pass, whose new tokens all see every earlier slot and among
+    themselves what it allows (a root and its tree: ``splitspec.tree.ancestor_mask``),
+    so the [q_len, kv_len] mask need never be built (splitspec/attention/cascade.py).
     """
 
     table: PageTable
     kv_len: int
     q_len: int
     mask: torch.Tensor | None = None
+    tree: torch.Tensor | None = None
+
+    @property
+    def causal(self) -> bool:
+        return self.mask is None and self.tree is None
+
+    def dense_mask(self) -> torch.Tensor | None:
+        """The [q_len, kv_len] bool mask on the host (None: causal), checked against the shape."""
+        if self.tree is not None:
+            if self.mask is not None or tuple(self.tree.shape) != (self.q_len, self.q_len):
+                raise ValueError(f"tree shape {tuple(self.tree.shape)} != ({self.q_len}, "
+                                 f"{self.q_len}), or a mask as well")
+            committed = torch.ones(self.q_len, self.kv_len - self.q_len, dtype=torch.bool)
+            return torch.cat((committed, self.tree.to(device="cpu", dtype=torch.bool)), dim=1)
+        if self.mask is not None and tuple(self.mask.shape) != (self.q_len, self.kv_len):
+            raise ValueError(f"mask shape {tuple(self.mask.shape)} != ({self.q_len}, {self.kv_len})")
+        return self.mask
 
 
 @dataclass

@@ -5,8 +5,10 @@ Per forward pass :meth:`FlashInferBackend.plan` picks one kernel for the batch:
 - every sequence brings one token under the causal mask (plain decode):
   flashinfer's paged decode;
 - otherwise (prompts, trees, or a mix): flashinfer's paged prefill, causal
-  when no sequence has a mask, else with a custom mask in which the causal
-  sequences are spelled out.
+  when no sequence has a mask, else with FA2's custom mask in which every
+  sequence's [q_len, kv_len] mask is spelled out on the host (a verify tree's
+  too: the CUDA graphs of verification use splitspec/attention/cascade.py
+  instead, which never builds it).
 
 The cache layout is already flashinfer's (NHD, K at index 0 and V at 1 of each
 page; see splitspec/kv_cache.py), so a layer's cache is passed as it is. New
@@ -151,12 +153,12 @@ class FlashInferBackend(PlannedAttention):
         layout = PagedLayout.of(seqs, shape.page_size)
         heads = (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size)
         types = {"q_data_type": shape.dtype, "kv_data_type": shape.dtype}
-        if all(seq.q_len == 1 and seq.mask is None for seq in seqs):
+        if all(seq.q_len == 1 and seq.causal for seq in seqs):
             self._decode.plan(layout.kv_indptr, layout.kv_indices, layout.last_page_len, *heads,
                               pos_encoding_mode="NONE", **types)
             wrapper = self._decode
         else:
-            mask = flat_mask(seqs, device) if any(seq.mask is not None for seq in seqs) else None
+            mask = None if all(seq.causal for seq in seqs) else flat_mask(seqs, device)
             wrapper = self._prefill if mask is None else self._masked
             wrapper.plan(layout.qo_indptr, layout.kv_indptr, layout.kv_indices,
                          layout.last_page_len, *heads, custom_mask=mask, causal=mask is None,
@@ -171,8 +173,6 @@ def flat_mask(seqs: list[SeqAttention], device: torch.device | str) -> torch.Ten
 
 
 def _mask_of(seq: SeqAttention) -> torch.Tensor:
-    if seq.mask is None:
-        return causal_mask(seq.q_len, seq.kv_len, "cpu")
-    if tuple(seq.mask.shape) != (seq.q_len, seq.kv_len):
-        raise ValueError(f"mask shape {tuple(seq.mask.shape)} != ({seq.q_len}, {seq.kv_len})")
-    return seq.mask.to(device="cpu", dtype=torch.bool)
+    mask = seq.dense_mask()
+    return causal_mask(seq.q_len, seq.kv_len, "cpu") if mask is None else mask.to(
+        device="cpu", dtype=torch.bool)

@@ -29,12 +29,9 @@ class TorchAttentionBackend(AttentionBackend):
             slots = seq.table.global_slots(0, seq.kv_len, device)
             read.append(slots)
             write.append(slots[seq.kv_len - seq.q_len:])
-            if seq.mask is None:
-                masks.append(causal_mask(seq.q_len, seq.kv_len, device))
-            else:
-                if tuple(seq.mask.shape) != (seq.q_len, seq.kv_len):
-                    raise ValueError(f"mask shape {tuple(seq.mask.shape)} != ({seq.q_len}, {seq.kv_len})")
-                masks.append(seq.mask.to(device=device, dtype=torch.bool))
+            mask = seq.dense_mask()
+            masks.append(causal_mask(seq.q_len, seq.kv_len, device) if mask is None
+                         else mask.to(device=device, dtype=torch.bool))
             indptr.append(indptr[-1] + seq.q_len)
         return TorchMetadata(torch.cat(write), indptr, read, masks)
 

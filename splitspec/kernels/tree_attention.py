@@ -1,15 +1,16 @@
-"""The attention of a drafting level's tree nodes over their scratch, merged with the prefix's,
-in one Triton kernel (the draft's tree search on CUDA).
+"""The attention of a tree's rows over their dense keys, merged with the prefix's, in one
+Triton kernel (splitspec/attention/cascade.py on CUDA: the draft's tree search and the
+target's verify graphs).
 
-A frontier row attends to two key sets (draft_service/tree_search.py): its
-sequence's committed entries, which the prefix attention has already done
-(its output and log-sum-exp come in), and the tree nodes its ancestry row
-allows, from the dense scratch. The torch form of the second part and the
-merge (float casts, two einsums, a masked softmax with its log-sum-exp, the
-log-sum-exp merge) is about 30 small kernels a level; here it is one program
-per (row, head) with all of a row's scratch keys in registers (a tree has at
-most a few dozen nodes). References: ``masked_attention`` and
-``merge_attention`` in draft_service/tree_search.py (tests/kernel_cases.py).
+A row attends to two key sets: its sequence's committed slots, which the
+prefix attention has already done (its output and log-sum-exp come in), and
+the tree nodes its row of the table allows, from a dense block (the draft's
+per-call scratch, or the verify pass's own K/V). The torch form of the second
+part and the merge (float casts, two einsums, a masked softmax with its
+log-sum-exp, the log-sum-exp merge) is about 30 small kernels; here it is one
+program per (row, head) with all of a row's tree keys in registers (a tree has
+at most a few dozen nodes). References: ``masked_attention`` and
+``merge_attention`` in splitspec/attention/cascade.py (tests/kernel_cases.py).
 """
 
 from __future__ import annotations

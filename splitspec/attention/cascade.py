@@ -1,0 +1,207 @@
+"""Attention split in two key sets and merged: a paged prefix, and a small dense block.
+
+Both the target's tree verification and the draft's tree search have the
+same structure: every new row sees ALL of its sequence's committed slots, and
+among the few new keys (a tree's nodes) only those a small boolean table
+allows. The committed part needs no mask at all, so it runs through
+flashinfer's paged decode kernel with each sequence's rows as separate
+requests over the same pages (:class:`FlashInferPrefix`; :class:`TorchPrefix`
+is its reference); the new part is a dense [rows, keys] problem of a few dozen
+keys (:func:`masked_attention`, one Triton kernel on CUDA); the two are merged
+by their log-sum-exp (:func:`merge_attention`), which is exactly the softmax
+over the union. Nothing of size [rows, kv_len] is built on the host, where the
+one-pass form needs a [q_len, kv_len] mask per sequence and FA2's custom-mask
+prefill.
+
+:class:`TreeVerifyAttention` is the target's verify pass in this form (its CUDA
+graphs, splitspec/cuda_graphs.py); draft_service/tree_search.py's
+``NodeAttention`` is the draft's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAttention
+from splitspec.attention.flashinfer_backend import (
+    AttentionShape,
+    FlashInferBackend,
+    import_flashinfer,
+)
+from splitspec.kernels import HAS_TRITON
+from splitspec.kv_cache import KVCache, PageTable
+
+LN2 = math.log(2.0)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention in float32 with its log-sum-exp.
+
+    q [B, R, H_kv, G, D] (G query heads per KV head); k, v [B, T, H_kv, D]; mask [B, R or 1, T]
+    bool (True = may attend). Returns out [B, R, H_kv, G, D] and lse [B, R, H_kv, G] (natural
+    log; -inf for a row that sees nothing, whose out is then NaN-free zeros after merging).
+    """
+    scores = torch.einsum("brhgd,bthd->brhgt", q.float(), k.float()) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~mask[:, :, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    weights = torch.exp(scores - lse.nan_to_num(neginf=0.0)[..., None])
+    return torch.einsum("brhgt,bthd->brhgd", weights, v.float()), lse
+
+
+def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from each set's (out [..., D], lse [...])."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return out_a * torch.exp(lse_a - lse)[..., None] + out_b * torch.exp(lse_b - lse)[..., None]
+
+
+class PrefixAttention(ABC):
+    """Attention of every row over its sequence's first slots (no mask): planned once per
+    pass (or per draft call), run per layer."""
+
+    lse_scale = 1.0  # what turns attend()'s log-sum-exp into a natural log
+
+    @abstractmethod
+    def plan(self, tables: list[PageTable], lengths: list[int], rows_per_seq: int,
+             device: torch.device) -> None:
+        """Sequence b's rows are rows b * rows_per_seq ... of every later :meth:`attend`;
+        they see its logical slots [0, lengths[b]) (at least one)."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [N, H, D] -> out [N, H, D], lse [N, H] (times lse_scale: natural log)."""
+
+
+class TorchPrefix(PrefixAttention):
+    """The reference: each sequence's slots gathered from the pages, padded to the longest."""
+
+    def plan(self, tables: list[PageTable], lengths: list[int], rows_per_seq: int,
+             device: torch.device) -> None:
+        longest = max(lengths)
+        slots, valid = [], []
+        for table, n in zip(tables, lengths, strict=True):
+            own = table.global_slots(0, n)
+            slots.append(torch.cat((own, own[:1].expand(longest - n))))  # padding: never attended
+            valid.append(torch.arange(longest) < n)
+        self._slots = torch.stack(slots).to(device)              # [B, T]
+        self._valid = torch.stack(valid).to(device)[:, None, :]  # [B, 1, T]
+        self._rows = rows_per_seq
+
+    def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t = self._slots.shape
+        k, v = cache.read(layer, self._slots.reshape(-1))
+        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+        out, lse = masked_attention(q.view(b, self._rows, kv_heads, heads // kv_heads, dim),
+                                    k.view(b, t, kv_heads, dim), v.view(b, t, kv_heads, dim),
+                                    self._valid)
+        return out.reshape(q.shape), lse.reshape(q.shape[:2])
+
+
+def repeated_rows(tables: list[PageTable], lengths: list[int], rows_per_seq: int,
+                  page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """flashinfer's paged layout (kv_indptr, kv_indices, last_page_len; host int32) of
+    ``rows_per_seq`` requests per sequence, each over the sequence's first ``lengths[b]``
+    slots: each sequence's pages are listed once per row."""
+    indices: list[int] = []
+    used, last = [], []
+    for table, n in zip(tables, lengths, strict=True):
+        if not 0 < n <= table.capacity:
+            raise ValueError(f"a prefix of {n} slots: need 0 < n <= {table.capacity} reserved")
+        pages = -(-n // page_size)
+        indices += table.pages[:pages] * rows_per_seq
+        used.append(pages)
+        last.append(n - (pages - 1) * page_size)
+    per_row = [count for count in used for _ in range(rows_per_seq)]
+    as_int32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
+    return (as_int32([0, *itertools.accumulate(per_row)]), as_int32(indices),
+            as_int32([n for n in last for _ in range(rows_per_seq)]))
+
+
+class FlashInferPrefix(PrefixAttention):
+    """flashinfer's paged decode, one request per row over its sequence's pages.
+
+    With ``graph_rows`` the wrapper is built for CUDA graphs: exactly that many rows, each
+    over at most ``max_pages`` pages, planned (outside the graph) before each replay."""
+
+    lse_scale = LN2  # flashinfer's log-sum-exp is base 2
+
+    def __init__(self, shape: AttentionShape, workspace: torch.Tensor, graph_rows: int = 0,
+                 max_pages: int = 0) -> None:
+        flashinfer = import_flashinfer()
+        self.shape = shape
+        buffers = {}
+        if graph_rows:
+            def int32(n: int) -> torch.Tensor:
+                return torch.zeros(n, dtype=torch.int32, device=workspace.device)
+
+            buffers = {"use_cuda_graph": True, "paged_kv_indptr_buffer": int32(graph_rows + 1),
+                       "paged_kv_indices_buffer": int32(graph_rows * max_pages),
+                       "paged_kv_last_page_len_buffer": int32(graph_rows)}
+        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            workspace, "NHD", use_tensor_cores=shape.use_tensor_cores, **buffers)
+
+    def plan(self, tables: list[PageTable], lengths: list[int], rows_per_seq: int,
+             device: torch.device) -> None:
+        shape = self.shape
+        indptr, indices, last = repeated_rows(tables, lengths, rows_per_seq, shape.page_size)
+        self._wrapper.plan(indptr, indices, last, shape.num_heads, shape.num_kv_heads,
+                           shape.head_dim, shape.page_size, pos_encoding_mode="NONE",
+                           q_data_type=shape.dtype, kv_data_type=shape.dtype)
+
+    def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._wrapper.run(q.contiguous(), cache.data[layer], return_lse=True)
+
+
+def prefix_attention_for(backend: AttentionBackend) -> PrefixAttention:
+    """flashinfer's prefix over a flashinfer backend's workspace, else the torch reference."""
+    if isinstance(backend, FlashInferBackend):
+        return FlashInferPrefix(backend.shape, backend.workspace)
+    return TorchPrefix()
+
+
+def cascade_attention(layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      allowed: torch.Tensor, prefix: PrefixAttention, cache: KVCache
+                      ) -> torch.Tensor:
+    """q [B * W, H, D] attends to its sequence's planned prefix and to the dense keys, values
+    [B, T, H_kv, D] that ``allowed`` [B, W, T] lets each row see (at least one: itself);
+    returns [B * W, H, D] in q's dtype."""
+    out_p, lse_p = prefix.attend(layer, q, cache)
+    if q.is_cuda and HAS_TRITON:  # one kernel for the dense part and the merge
+        from splitspec.kernels.tree_attention import tree_attention
+
+        return tree_attention(q, keys, values, allowed, out_p, lse_p, prefix.lse_scale)
+    b, width = allowed.shape[:2]
+    kv_heads, dim = keys.shape[2], keys.shape[3]
+    out_t, lse_t = masked_attention(q.view(b, width, kv_heads, -1, dim), keys, values, allowed)
+    merged = merge_attention(out_p.float(), lse_p * prefix.lse_scale,
+                             out_t.reshape(q.shape), lse_t.reshape(q.shape[:2]))
+    return merged.to(q.dtype)
+
+
+@dataclass
+class TreeVerifyMetadata(AttentionMetadata):
+    prefix: PrefixAttention  # planned: sequence b's rows over its committed slots
+    allowed: torch.Tensor    # [B, q, q] bool: each sequence's tree (SeqAttention.tree)
+
+
+class TreeVerifyAttention(AttentionBackend):
+    """A verify pass of B sequences of q new tokens each (a root and its tree), every new
+    token seeing all committed slots: the new K/V go to the cache (for the accepted path's
+    compaction) and are also the dense keys of :func:`cascade_attention`."""
+
+    def plan(self, seqs: list[SeqAttention], device: torch.device | str) -> AttentionMetadata:
+        raise TypeError("TreeVerifyAttention runs passes planned by their owner (StepGraphs)")
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: TreeVerifyMetadata, cache: KVCache) -> torch.Tensor:
+        cache.write(layer, meta.write_slots, k, v)
+        b, width = meta.allowed.shape[:2]
+        shape = (b, width, k.shape[1], k.shape[2])
+        return cascade_attention(layer, q, k.view(shape), v.view(shape), meta.allowed,
+                                 meta.prefix, cache)
