@@ -8,11 +8,13 @@ of that target's shape (one layer, draft vocabulary 32000), after a prompt of
 - decode: the target's plain decode step as the engine calls it
   (ModelRunner.forward: planning, copies, the CUDA graph or the eager pass,
   logits), against the weight-read floor (W bytes / 4.5 TB/s, ../shared/GPU.md);
-- verify: the same call for the root plus an --tree-nodes tree (tree mask);
+- verify: the same call for the root plus an --tree-nodes tree;
 - with graphs (flashinfer), both calls again without them (``*_eager_ms``);
 - draft: the draft's Drafter.draft for one sequence: catch up one token (with
   its features) and draft a tree of --tree-nodes nodes, topk --topk, depth
-  --depth, as the draft service does for every step.
+  --depth, as the draft service does for every step; with graphs the catch-up
+  runs inside the search's graph, and the same calls are timed again with it
+  run eagerly first (``draft_two_pass_ms``).
 
 Each figure is the median wall time of --iters calls after --warmup calls, the
 device synchronised after each. The issue's aims: verify <= 1.2 x decode,
@@ -220,8 +222,14 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
     profiled(step, 5, args.profile, "draft", args.device)
     print(f"draft tree ({args.tree_nodes}/{args.topk}/{args.depth}): median "
           f"{statistics.median(times):.3f} ms", flush=True)
-    return {"backend": name, "draft_ms": times, "target_layers": target_layers,
-            "draft_graphs": search is not None}
+    result = {"backend": name, "draft_ms": times, "target_layers": target_layers,
+              "draft_graphs": search is not None}
+    if search is not None:  # the same calls with the catch-up run eagerly before the search
+        search.caught_up.clear()
+        result["draft_two_pass_ms"] = timed(step, args.warmup, args.iters, args.device)
+        print(f"draft tree, catch-up first (eager): median "
+              f"{statistics.median(result['draft_two_pass_ms']):.3f} ms", flush=True)
+    return result
 
 
 def main() -> int:

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from draft_service.models import DraftModel, EntrySpan
-from draft_service.tree_search import TreeSearch
+from draft_service.tree_search import Candidates, CatchUp, TreeSearch
 from splitspec.attention.base import AttentionBackend, SeqAttention
 from splitspec.attention.cascade import prefix_attention_for
 from splitspec.kv_cache import KVCache, OutOfPages, PagePool, PageTable
@@ -490,8 +490,51 @@ class Drafter(BaseDrafter):
     def _serve(self, session: Session, seqs: list[SeqInput], errors: dict[int, str]
                ) -> dict[int, Tree]:
         with torch.inference_mode():
-            self._extend(self._prepare_all(session, seqs, errors))
-            return self._draft_trees(session, seqs, errors)
+            extends = self._prepare_all(session, seqs, errors)
+            trees = self._caught_up_trees(session, seqs, errors, extends)
+            if trees is None:
+                self._extend(extends)
+                trees = self._draft_trees(session, seqs, errors)
+            return trees
+
+    def _caught_up_trees(self, session: Session, seqs: list[SeqInput], errors: dict[int, str],
+                         extends: list[_Extend]) -> dict[int, Tree] | None:
+        """The steady state in one graph replay (:meth:`TreeSearch.run_caught_up`): when every
+        input served is a top-k tree of one shape whose catch-up and search were captured
+        together, with 1 .. depth + 1 new entries after at least one; None otherwise (the
+        eager catch-up, then the search)."""
+        live = [i for i in range(len(seqs)) if i not in errors]
+        if not live or len(extends) != len(live):
+            return None
+        shapes = {self.capped(seqs[i].shape) for i in live}
+        if len(shapes) != 1 or any(self._samples(seqs[i]) for i in live):
+            return None
+        (shape,) = shapes
+        if shape.num_draft_tokens == 0 or not self.search.can_catch_up(
+                [len(e.span.tokens) for e in extends], [e.span.first for e in extends], shape):
+            return None
+        found, roots = self.search.run_caught_up(
+            [CatchUp(e.state.table, e.span.first, e.span.tokens, e.features) for e in extends],
+            shape)
+        trees = {}
+        for row, (i, ext) in enumerate(zip(live, extends, strict=True)):
+            ext.state.table.num_slots = ext.span.first + len(ext.span.tokens)
+            ext.state.last_state = roots[row]
+            trees[i] = ext.state.last_tree = self._best_tree(found, row, shape)
+        return trees
+
+    def _samples(self, item: SeqInput) -> bool:
+        """Whether the sequence's tree is a sampled one (the host-driven path)."""
+        params = item.sampling
+        return self.limits.sampled_trees and params is not None and not params.is_greedy
+
+    @staticmethod
+    def _best_tree(found: Candidates, row: int, shape: TreeShape) -> Tree:
+        cands = _Candidates(shape)
+        for token, parent, score in zip(found.tokens[row], found.parents[row], found.scores[row],
+                                        strict=True):
+            cands.add(token, parent, score)
+        return cands.best_tree()
 
     # ---- catch-up ---------------------------------------------------------------------
 
@@ -573,12 +616,8 @@ class Drafter(BaseDrafter):
             states = [state for _, state in group]
             found = self.search.run(torch.stack([s.last_state for s in states]),
                                     [s.table for s in states], [s.num_entries for s in states], shape)
-            for (i, _), tokens, parents, scores in zip(group, found.tokens, found.parents,
-                                                      found.scores, strict=True):
-                cands = _Candidates(shape)
-                for token, parent, score in zip(tokens, parents, scores, strict=True):
-                    cands.add(token, parent, score)
-                trees[i] = cands.best_tree()
+            for row, (i, _) in enumerate(group):
+                trees[i] = self._best_tree(found, row, shape)
         if jobs:
             try:
                 self._grow(jobs)
@@ -595,7 +634,7 @@ class Drafter(BaseDrafter):
         """Candidates of a sampled tree for a sequence that samples when sampled trees are on;
         None for a top-k tree."""
         params = item.sampling
-        if not self.limits.sampled_trees or params is None or params.is_greedy:
+        if not self._samples(item):
             return None
         if params.seed is None:
             raise SeqError("a sampled tree needs the request's seed in sampling.seed")

@@ -107,8 +107,9 @@ def init_attention_backend(cfg: DraftConfig, model: DraftModel) -> Detailed:
 
 def capture_cuda_graphs(cfg: DraftConfig, model: DraftModel, cache: KVCache, pool: PagePool,
                         backend: AttentionBackend) -> Detailed:
-    """The top-k tree search with its drafting captured per batch bucket and --graph-trees
-    shape (CUDA with flashinfer); None (the drafter searches eagerly) elsewhere."""
+    """The top-k tree search captured per batch bucket and --graph-trees shape, alone and
+    with the call's catch-up (CUDA with flashinfer); None (the drafter searches eagerly)
+    elsewhere."""
     if not isinstance(backend, FlashInferBackend):
         return Detailed(None, f"no-op: drafting runs eagerly on {cfg.device} with this backend")
     shapes = [(min(topk, model.draft_vocab_size), depth) for topk, depth in cfg.graph_shapes]
@@ -119,7 +120,8 @@ def capture_cuda_graphs(cfg: DraftConfig, model: DraftModel, cache: KVCache, poo
     buckets = buckets_up_to(cfg.max_running)
     took = search.capture(backend, buckets, shapes, pad_page, cfg.max_context)
     names = ", ".join(f"{topk}x{depth}" for topk, depth in shapes)
-    return Detailed(search, f"{len(search.graphs)} graphs (trees {names}; buckets "
+    return Detailed(search, f"{len(search.graphs) + len(search.caught_up)} graphs (the search "
+                    f"alone and with the catch-up; trees {names}; buckets "
                     f"{', '.join(map(str, buckets))}) in {took:.1f}s")
 
 

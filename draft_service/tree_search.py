@@ -14,26 +14,37 @@ A frontier node at depth j of sequence b attends to
   :class:`PrefixAttention`, planned once per draft call since the entries do
   not change while drafting, and
 - its ancestors and itself, whose K/V live in a dense per-call scratch
-  [layers, 2, B, depth - 1, k, H_kv, D] (level j - 1 holds the depth-j frontier),
+  [layers, 2, B, T, H_kv, D], level j - 1's frontier in columns
+  [C + (j - 1) k, C + j k),
 
 and the two parts are merged by their log-sum-exp: exactly the softmax over
 the union, which is what the host form computes with one masked pass
 (splitspec/attention/cascade.py, shared with the target's tree verification;
-on CUDA the scratch part and the merge are one Triton kernel).
-Ancestry is a [B, k, depth - 1, k] boolean table: a child inherits its
-parent's row and marks itself at its own level.
+on CUDA the scratch part and the merge are one Triton kernel). Which columns
+a row sees is a [B, k, T] boolean table: a child inherits its parent's row
+and marks itself at its own level.
+
+The draft call's catch-up (the entries the target committed since the last
+call) can run in the same pass (:meth:`TreeSearch.run_caught_up`): each
+sequence's new entries, padded to C = depth + 1 (the most one verify step
+commits), are a causal chain in the scratch's first C columns and are written
+to the paged cache too; the prefix is then the entries before them, the root
+of each tree the chain's last real row, and every node sees the chain's real
+columns. Captured with the search, this takes the eager catch-up forward and
+its attention plan off the host.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import torch
 
 from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAttention
-from splitspec.attention.cascade import FlashInferPrefix, PrefixAttention, cascade_attention
+from splitspec.attention.cascade import FlashInferPrefix, PrefixAttention, merge_with_prefix
 from splitspec.attention.flashinfer_backend import FlashInferBackend
 from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
@@ -42,32 +53,50 @@ if TYPE_CHECKING:
     from draft_service.drafter import TreeShape
     from draft_service.models import DraftModel
 
+T = TypeVar("T")
+
 @dataclass
 class NodeMetadata(AttentionMetadata):
     prefix: PrefixAttention
-    scratch: torch.Tensor   # [L, 2, B, depth - 1, k, H_kv, D]: K/V of the frontiers so far
-    ancestry: torch.Tensor  # [B, k, (depth - 1) * k] bool: scratch columns each row may see
-    level: int              # this pass's frontier goes to scratch level `level`
+    scratch: torch.Tensor   # [L, 2, B, T, H_kv, D]: K/V of the chain and the frontiers so far
+    allowed: torch.Tensor   # [B, W, T] bool: the scratch columns each row of the pass may see
+    start: int              # this pass's K/V go to scratch columns [start, start + W)
+    rows: int               # rows per sequence the prefix was planned for (>= W)
+    commit: bool = False    # the catch-up chain: also written to the paged cache (write_slots)
 
 
 class NodeAttention(AttentionBackend):
-    """The attention of one drafting level: the paged prefix and the scratch, merged."""
+    """The attention of one drafting pass: the paged prefix and the scratch, merged."""
 
     def plan(self, seqs: list[SeqAttention], device: torch.device | str) -> AttentionMetadata:
         raise TypeError("NodeAttention runs levels set up by TreeSearch; it does not plan")
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: NodeMetadata, cache: KVCache) -> torch.Tensor:
-        b, width = meta.ancestry.shape[:2]
+        b, width = meta.allowed.shape[:2]
+        if meta.commit:
+            cache.write(layer, meta.write_slots, k, v)
         kv_heads, dim = k.shape[1], k.shape[2]
-        scratch, level = meta.scratch[layer], meta.level
-        scratch[0, :, level] = k.view(b, width, kv_heads, dim)
-        scratch[1, :, level] = v.view(b, width, kv_heads, dim)
-        seen = (level + 1) * width
-        keys = scratch[0, :, : level + 1].reshape(b, seen, kv_heads, dim)
-        values = scratch[1, :, : level + 1].reshape(b, seen, kv_heads, dim)
-        return cascade_attention(layer, q, keys, values, meta.ancestry[:, :, :seen], meta.prefix,
-                                 cache)
+        scratch, end = meta.scratch[layer], meta.start + width
+        scratch[0, :, meta.start:end] = k.view(b, width, kv_heads, dim)
+        scratch[1, :, meta.start:end] = v.view(b, width, kv_heads, dim)
+        out_p, lse_p = self._prefix(layer, q, meta, cache, b, width)
+        return merge_with_prefix(q, scratch[0, :, :end], scratch[1, :, :end],
+                                 meta.allowed[:, :, :end], out_p, lse_p, meta.prefix.lse_scale)
+
+    @staticmethod
+    def _prefix(layer: int, q: torch.Tensor, meta: NodeMetadata, cache: KVCache, b: int,
+                width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefix attention of W rows per sequence, through a plan of ``meta.rows`` rows
+        per sequence (the catch-up chain and the levels share one plan; padding rows are 0)."""
+        if meta.rows == width:
+            return meta.prefix.attend(layer, q, cache)
+        heads, dim = q.shape[1], q.shape[2]
+        padded = q.new_zeros(b, meta.rows, heads, dim)
+        padded[:, :width] = q.view(b, width, heads, dim)
+        out, lse = meta.prefix.attend(layer, padded.view(-1, heads, dim), cache)
+        return (out.view(b, meta.rows, heads, dim)[:, :width].reshape(b * width, heads, dim),
+                lse.view(b, meta.rows, heads)[:, :width].reshape(b * width, heads))
 
 
 @dataclass
@@ -80,6 +109,15 @@ class Candidates:
     scores: list[list[float]]  # cumulative log-prob
 
 
+class CatchUp(NamedTuple):
+    """One sequence's new entries, for :meth:`TreeSearch.run_caught_up`."""
+
+    table: PageTable                # its pages, reserved through first + len(tokens)
+    first: int                      # the first new entry's slot: the entries before it stay
+    tokens: list[int]               # the new entries' tokens
+    features: torch.Tensor | None   # [len(tokens), feature_dim] on the host, or None
+
+
 class GraphKey(NamedTuple):
     size: int   # the bucket: padded number of sequences
     topk: int
@@ -87,12 +125,34 @@ class GraphKey(NamedTuple):
 
 
 @dataclass
+class _Chain:
+    """The catch-up chain of B sequences, C rows each (device tensors; static in a graph)."""
+
+    tokens: torch.Tensor          # [B * C]
+    features: torch.Tensor | None  # [B * C, F]
+    positions: torch.Tensor       # [B * C]
+    write_slots: torch.Tensor     # [B * C]: padding rows write to the padding page
+    allowed: torch.Tensor         # [B, C, C] bool: causal over each sequence's real entries
+    last_row: torch.Tensor        # [B]: each sequence's last real row
+    last: torch.Tensor            # [B * k]: its last entry's position, once per frontier row
+
+    def tensors(self) -> list[torch.Tensor | None]:
+        return [getattr(self, f.name) for f in fields(self)]
+
+    def copy_(self, other: _Chain) -> None:
+        for mine, theirs in zip(self.tensors(), other.tensors(), strict=True):
+            if mine is not None:
+                mine.copy_(theirs, non_blocking=True)
+
+
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     prefix: FlashInferPrefix  # its wrapper in CUDA-graph mode, planned before each replay
-    roots: torch.Tensor       # [size, X] static input
+    roots: torch.Tensor       # [size, X]: static input (search) or output (caught up)
     positions: torch.Tensor   # [size * topk] static input: each row's last entry position
-    packed: torch.Tensor      # [3, size, C] static output (see TreeSearch._search)
+    packed: torch.Tensor      # [3, size, C] static output (see TreeSearch._levels)
+    chain: _Chain | None = None  # the catch-up's static inputs (run_caught_up's graphs)
 
 
 class TreeSearch:
@@ -105,14 +165,16 @@ class TreeSearch:
 
     After :meth:`capture` (CUDA with flashinfer), a batch of a captured shape
     and at most the largest bucket replays the graph of the smallest bucket that
-    holds it; the rows beyond the batch are padding (a zero root on a scratch
-    page no sequence owns). Other batches run eagerly.
+    holds it, for the search alone (:meth:`run`) and with the catch-up
+    (:meth:`run_caught_up`); the rows beyond the batch are padding (token 0 or a
+    zero root over a scratch page no sequence owns). Other batches run eagerly.
     """
 
     def __init__(self, model: DraftModel, cache: KVCache, prefix: PrefixAttention) -> None:
         self.model, self.cache, self.prefix = model, cache, prefix
         self.attention = NodeAttention()
         self.graphs: dict[GraphKey, _Graph] = {}
+        self.caught_up: dict[GraphKey, _Graph] = {}
         self._buckets: tuple[int, ...] = ()
         self._pad_table: PageTable | None = None
 
@@ -120,7 +182,7 @@ class TreeSearch:
             shape: TreeShape) -> Candidates:
         """roots [B, X]: each sequence's last entry's state; its entries in tables."""
         n, k, device = roots.shape[0], shape.topk, roots.device
-        key = self._key(n, shape)
+        key = self._key(n, shape, self.graphs)
         if key is None:
             last = torch.tensor(num_entries, device=device).repeat_interleave(k) - 1
             if shape.num_steps > 1:
@@ -135,69 +197,174 @@ class TreeSearch:
             g.positions.copy_(last, non_blocking=True)
             g.graph.replay()
             packed = g.packed[:, :n]
+        return self._read(packed)
+
+    def can_catch_up(self, num_new: list[int], firsts: list[int], shape: TreeShape) -> bool:
+        """Whether :meth:`run_caught_up` has a graph for these sequences: a captured shape and
+        bucket, 1 .. depth + 1 new entries each, after at least one entry."""
+        return (self._key(len(num_new), shape, self.caught_up) is not None
+                and all(1 <= n <= shape.num_steps + 1 for n in num_new) and min(firsts) >= 1)
+
+    def run_caught_up(self, seqs: list[CatchUp], shape: TreeShape
+                      ) -> tuple[Candidates, torch.Tensor]:
+        """Append every sequence's new entries (1 .. depth + 1 of them, after at least one)
+        and search its tree from the last, in one pass (one graph replay once captured);
+        returns the candidates and the roots [B, X] (each sequence's last entry's state)."""
+        n, k, steps, device = len(seqs), shape.topk, shape.num_steps, self.model.device
+        key = self._key(n, shape, self.caught_up)
+        size = key.size if key is not None else n
+        pad = [CatchUp(self._pad_table, 1, [0], None)] * (size - n) if key is not None else []
+        chain, rows = self._chain([*seqs, *pad], steps + 1, k), max(steps + 1, k)
+        tables, firsts = [s.table for s in (*seqs, *pad)], [s.first for s in (*seqs, *pad)]
+        if key is None:
+            self.prefix.plan(tables, firsts, rows, device)
+            packed, roots = self._caught_up(self.prefix, rows, self._to(chain, device), k, steps)
+        else:
+            g = self.caught_up[key]
+            g.prefix.plan(tables, firsts, rows, device)
+            g.chain.copy_(chain)
+            g.graph.replay()
+            packed, roots = g.packed[:, :n], g.roots[:n]
+        return self._read(packed), roots[:n].clone()
+
+    @staticmethod
+    def _read(packed: torch.Tensor) -> Candidates:
         tok, par, score = packed.cpu().unbind(0)  # the one read back
         return Candidates(tok.long().tolist(), par.long().tolist(), score.tolist())
 
-    def _key(self, n: int, shape: TreeShape) -> GraphKey | None:
+    def _chain(self, seqs: list[CatchUp], width: int, k: int) -> _Chain:
+        """The catch-up inputs on the host, each sequence padded to ``width`` rows."""
+        model, page = self.model, self.cache.page_size
+        pad_slot = self._pad_slot()
+        tokens, positions, slots, count = [], [], [], []
+        features = (torch.zeros(len(seqs), width, model.feature_dim, dtype=model.dtype)
+                    if model.feature_dim else None)
+        for b, seq in enumerate(seqs):
+            num = len(seq.tokens)
+            tokens += [*seq.tokens, *[0] * (width - num)]
+            positions += range(seq.first, seq.first + width)
+            pages = seq.table.pages
+            slots += [pages[s // page] * page + s % page for s in range(seq.first, seq.first + num)]
+            slots += [pad_slot] * (width - num)
+            count.append(num)
+            if features is not None and seq.features is not None:
+                features[b, :num] = seq.features
+        num = torch.tensor(count)
+        i = torch.arange(width)
+        allowed = (i[None, None, :] <= i[None, :, None]) & (
+            (i[None, None, :] < num[:, None, None]) | (i[None, None, :] == i[None, :, None]))
+        last = torch.tensor([s.first + c - 1 for s, c in zip(seqs, count, strict=True)])
+        flat = None if features is None else features.view(-1, model.feature_dim)
+        return _Chain(torch.tensor(tokens), flat, torch.tensor(positions), torch.tensor(slots),
+                      allowed, num - 1, last.repeat_interleave(k))
+
+    def use_pad_page(self, page: int) -> None:
+        """The page padding rows read and write: one no sequence will own (capture sets it)."""
+        self._pad_table = PageTable(self.cache.page_size, [page], 1)
+
+    def _pad_slot(self) -> int:
+        """The slot padding rows write (the catch-up chain's too): the padding page's last."""
+        if self._pad_table is None:
+            raise RuntimeError("the catch-up chain's padding rows need a page of their own: "
+                               "call use_pad_page (capture does)")
+        return self._pad_table.pages[0] * self.cache.page_size + self.cache.page_size - 1
+
+    @staticmethod
+    def _to(chain: _Chain, device: torch.device) -> _Chain:
+        return _Chain(*(None if t is None else t.to(device) for t in chain.tensors()))
+
+    def _key(self, n: int, shape: TreeShape, graphs: dict[GraphKey, _Graph]) -> GraphKey | None:
         if not self._buckets or n > self._buckets[-1]:
             return None
         key = GraphKey(next(b for b in self._buckets if b >= n), shape.topk, shape.num_steps)
-        return key if key in self.graphs else None
+        return key if key in graphs else None
 
     def capture(self, backend: FlashInferBackend, buckets: tuple[int, ...],
                 shapes: list[tuple[int, int]], pad_page: int, max_context: int) -> float:
-        """Capture the search for every bucket and (topk, depth) (largest bucket first, so the
-        smaller reuse its memory); ``pad_page`` is a page no sequence will own. Returns the
-        seconds taken."""
+        """Capture the search, alone and with the catch-up, for every bucket and (topk, depth)
+        (largest bucket first, so the smaller reuse its memory); ``pad_page`` is a page no
+        sequence will own. Returns the seconds taken."""
         started = time.perf_counter()
         device = backend.device
         page = self.cache.page_size
-        self._pad_table = PageTable(page, [pad_page], 1)
+        self.use_pad_page(pad_page)
         pool = torch.cuda.graph_pool_handle()
         max_pages = -(-max_context // page)
         for topk, depth in shapes:
             for size in sorted(buckets, reverse=True):
+                key = GraphKey(size, topk, depth)
                 prefix = FlashInferPrefix(backend.shape, backend.workspace, size * topk, max_pages)
                 prefix.plan([self._pad_table] * size, [1] * size, topk, device)
                 roots = torch.zeros(size, self.model.state_width, dtype=self.model.dtype, device=device)
                 positions = torch.zeros(size * topk, dtype=torch.int64, device=device)
-                with torch.inference_mode():
-                    side = torch.cuda.Stream(device)
-                    side.wait_stream(torch.cuda.current_stream(device))
-                    with torch.cuda.stream(side):
-                        for _ in range(2):  # lazy initialisation must not happen in capture
-                            self._search(prefix, roots, positions, topk, depth)
-                    torch.cuda.current_stream(device).wait_stream(side)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        packed = self._search(prefix, roots, positions, topk, depth)
-                self.graphs[GraphKey(size, topk, depth)] = _Graph(graph, prefix, roots, positions,
-                                                                  packed)
+                graph, packed = _capture(device, pool, lambda p=prefix, r=roots, x=positions, t=topk,
+                                         d=depth: self._search(p, r, x, t, d))
+                self.graphs[key] = _Graph(graph, prefix, roots, positions, packed)
+                width = depth + 1
+                rows = max(width, topk)
+                prefix = FlashInferPrefix(backend.shape, backend.workspace, size * rows, max_pages)
+                prefix.plan([self._pad_table] * size, [1] * size, rows, device)
+                chain = self._to(self._chain([CatchUp(self._pad_table, 1, [0], None)] * size,
+                                             width, topk), device)
+                graph, (packed, roots) = _capture(
+                    device, pool, lambda p=prefix, r=rows, c=chain, t=topk, d=depth:
+                    self._caught_up(p, r, c, t, d))
+                self.caught_up[key] = _Graph(graph, prefix, roots, chain.last, packed, chain)
         self._buckets = tuple(sorted(buckets))
         torch.cuda.synchronize(device)
         return time.perf_counter() - started
 
     def _search(self, prefix: PrefixAttention, roots: torch.Tensor, last: torch.Tensor, k: int,
                 steps: int) -> torch.Tensor:
-        """Device work only (no host reads: a CUDA graph can hold it). last [B * k]: each
-        row's last entry position; prefix planned for B sequences of k rows. Returns
-        [3, B, C] float64: every candidate's target id, parent (-1 for depth 1) and score."""
+        """The search alone from given roots (device work only: a CUDA graph can hold it);
+        prefix planned for B sequences of k rows."""
+        model, b = self.model, roots.shape[0]
+        scratch = torch.empty(model.num_layers, 2, b, (steps - 1) * k, model.num_kv_heads,
+                              model.head_dim, dtype=model.dtype, device=roots.device)
+        allowed = torch.zeros(b, k, (steps - 1) * k, dtype=torch.bool, device=roots.device)
+        return self._levels(prefix, k, roots, last, k, steps, scratch, allowed, 0)
+
+    def _caught_up(self, prefix: PrefixAttention, rows: int, chain: _Chain, k: int, steps: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The catch-up chain, then the search from each sequence's last real entry (device
+        work only); prefix planned for B sequences of ``rows`` rows over the entries before
+        the chain. Returns the packed candidates and the roots [B, X]."""
+        model = self.model
+        b, width = chain.allowed.shape[:2]
+        device = chain.tokens.device
+        scratch = torch.empty(model.num_layers, 2, b, width + (steps - 1) * k, model.num_kv_heads,
+                              model.head_dim, dtype=model.dtype, device=device)
+        meta = NodeMetadata(chain.write_slots, prefix, scratch, chain.allowed, 0, rows, commit=True)
+        states = model.forward_entries(chain.tokens, chain.features, chain.positions,
+                                       AttentionContext(self.attention, meta, self.cache))
+        pick = chain.last_row[:, None, None]
+        roots = states.view(b, width, -1).gather(1, pick.expand(b, 1, states.shape[-1]))[:, 0]
+        allowed = torch.zeros(b, k, width + (steps - 1) * k, dtype=torch.bool, device=device)
+        # the last real row sees exactly the real entries: so does every node
+        allowed[:, :, :width] = chain.allowed.gather(1, pick.expand(b, 1, width))
+        return self._levels(prefix, rows, roots, chain.last, k, steps, scratch, allowed, width), roots
+
+    def _levels(self, prefix: PrefixAttention, rows: int, roots: torch.Tensor, last: torch.Tensor,
+                k: int, steps: int, scratch: torch.Tensor, allowed: torch.Tensor, offset: int
+                ) -> torch.Tensor:
+        """The levels of the search (no host reads). last [B * k]: each row's last entry
+        position; the levels' K/V go to scratch columns from ``offset`` on, and ``allowed``
+        [B, k, T] holds the columns before it that every row sees. Returns [3, B, C] float64:
+        every candidate's target id, parent (-1 for depth 1) and score."""
         model, b, device = self.model, roots.shape[0], roots.device
         top_lp, top_ids = torch.log_softmax(model.logits(roots), dim=-1).topk(k, dim=-1)
         tokens = [model.to_target_ids(top_ids)]                                   # [B, k]
         scores = [top_lp.double()]
         parents = [torch.full((b, k), -1, dtype=torch.int64, device=device)]
         if steps > 1:
-            cfg = (model.num_layers, 2, b, steps - 1, k, model.num_kv_heads, model.head_dim)
-            scratch = torch.empty(cfg, dtype=model.dtype, device=device)
-            ancestry = torch.zeros(b, k, steps - 1, k, dtype=torch.bool, device=device)
             eye = torch.eye(k, dtype=torch.bool, device=device)
             front_tok, front_score = tokens[0], scores[0]
             front_cand = torch.arange(k, device=device).expand(b, k)
             parent_states = roots.repeat_interleave(k, dim=0)                     # [B * k, X]
             for level in range(steps - 1):
-                ancestry[:, :, level] = eye
-                meta = NodeMetadata(torch.empty(0), prefix, scratch, ancestry.view(b, k, -1), level)
+                start = offset + level * k
+                allowed[:, :, start:start + k] = eye
+                meta = NodeMetadata(torch.empty(0), prefix, scratch, allowed, start, rows)
                 ctx = AttentionContext(self.attention, meta, self.cache)
                 states = model.forward_nodes(front_tok.reshape(-1), parent_states,
                                              last + (level + 1), ctx)             # [B * k, X]
@@ -216,6 +383,22 @@ class TreeSearch:
                 front_cand = first + best
                 parent_states = states.view(b, k, -1).gather(
                     1, row[:, :, None].expand(b, k, states.shape[-1])).reshape(b * k, -1)
-                ancestry = ancestry.gather(1, row[:, :, None, None].expand(b, k, steps - 1, k))
+                allowed = allowed.gather(1, row[:, :, None].expand(b, k, allowed.shape[2]))
         return torch.stack([torch.cat(tokens, 1).double(), torch.cat(parents, 1).double(),
                             torch.cat(scores, 1)])
+
+
+def _capture(device: torch.device, pool: object, work: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """Run ``work`` twice on a side stream (lazy initialisation must not happen in capture),
+    then capture it; returns the graph and the outputs it writes at each replay."""
+    with torch.inference_mode():
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                work()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = work()
+    return graph, out

@@ -364,6 +364,57 @@ def test_incremental_catch_up_equals_rebuild(drafter):
         drafter.close_session(session)
 
 
+def test_catch_up_in_the_search_pass_matches_catching_up_first():
+    """The steady state on a GPU (TreeSearch.run_caught_up, in one graph there) run eagerly:
+    three sequences of different lengths take 1 .. depth + 1 new entries a call, a rollback
+    and a long catch-up (which go the two-pass way) in between; trees, the cached K/V of
+    every entry and each sequence's last state match a drafter that catches up first."""
+    for directory in (BUILTIN_EAGLE3, BUILTIN_DRAFT):
+        plain, fused = make_drafter(directory), make_drafter(directory)
+        fused.search.use_pad_page(fused.pool.allocate(1)[0])
+        calls = []
+
+        def can_catch_up(num_new, firsts, shape, calls=calls):  # as if captured
+            ok = all(1 <= n <= shape.num_steps + 1 for n in num_new) and min(firsts) >= 1
+            calls.append(ok)
+            return ok
+
+        fused.search.can_catch_up = can_catch_up
+        model = plain.model
+        streams = {i: fake_tokens(60, seed=40 + i) for i in range(3)}
+        features = {i: fake_features(model, 60, seed=40 + i) if model.feature_dim else None
+                    for i in range(3)}
+        # (seq -> (start, end)) per call: prompts, steps of 1 .. 5, a rollback, a long catch-up
+        rounds = [{0: (0, 9), 1: (0, 14), 2: (0, 20)},
+                  {0: (9, 10), 1: (14, 19), 2: (20, 23)},
+                  {0: (10, 15), 1: (19, 21), 2: (23, 24)},
+                  {0: (13, 16), 1: (21, 22), 2: (24, 28)},   # seq 0 rolls back two tokens
+                  {0: (16, 30), 1: (22, 25), 2: (28, 29)},   # seq 0 catches up 14
+                  {0: (30, 33), 1: (25, 30), 2: (29, 31)}]
+        sessions = {d: d.open_session() for d in (plain, fused)}
+        for spans in rounds:
+            got = {}
+            for d in (plain, fused):
+                items = [seq_input(model, seq, start, streams[seq][:end], TREE, features[seq])
+                         for seq, (start, end) in spans.items()]
+                results = d.draft(sessions[d], items)
+                assert [r.error for r in results] == [""] * 3
+                got[d] = [r.tree for r in results]
+            assert got[plain] == got[fused]
+        assert calls == [False, True, True, True, False, True]  # prompts, the long catch-up
+        for seq in range(3):
+            a, b = sessions[plain].seqs[seq], sessions[fused].seqs[seq]
+            assert a.num_entries == b.num_entries
+            torch.testing.assert_close(a.last_state, b.last_state, atol=1e-5, rtol=1e-5)
+            for layer in range(model.num_layers):
+                ka, va = plain.cache.read(layer, a.table.global_slots(0, a.num_entries))
+                kb, vb = fused.cache.read(layer, b.table.global_slots(0, b.num_entries))
+                torch.testing.assert_close(ka, kb, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(va, vb, atol=1e-5, rtol=1e-5)
+        for d, session in sessions.items():
+            d.close_session(session)
+
+
 def test_rollback_truncates_to_start(drafter):
     """Hold 32 tokens, then resend from 22 with other tokens: as if built from 0 with those."""
     model = drafter.model

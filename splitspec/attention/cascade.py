@@ -172,15 +172,23 @@ def cascade_attention(layer: int, q: torch.Tensor, keys: torch.Tensor, values: t
     [B, T, H_kv, D] that ``allowed`` [B, W, T] lets each row see (at least one: itself);
     returns [B * W, H, D] in q's dtype."""
     out_p, lse_p = prefix.attend(layer, q, cache)
+    return merge_with_prefix(q, keys, values, allowed, out_p, lse_p, prefix.lse_scale)
+
+
+def merge_with_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      allowed: torch.Tensor, out_p: torch.Tensor, lse_p: torch.Tensor,
+                      lse_scale: float) -> torch.Tensor:
+    """The dense part of :func:`cascade_attention`, merged with the prefix's out [B * W, H, D]
+    and log-sum-exp [B * W, H] (times ``lse_scale``: natural log)."""
     if q.is_cuda and HAS_TRITON:  # one kernel for the dense part and the merge
         from splitspec.kernels.tree_attention import tree_attention
 
-        return tree_attention(q, keys, values, allowed, out_p, lse_p, prefix.lse_scale)
+        return tree_attention(q, keys, values, allowed, out_p, lse_p, lse_scale)
     b, width = allowed.shape[:2]
     kv_heads, dim = keys.shape[2], keys.shape[3]
     out_t, lse_t = masked_attention(q.view(b, width, kv_heads, -1, dim), keys, values, allowed)
-    merged = merge_attention(out_p.float(), lse_p * prefix.lse_scale,
-                             out_t.reshape(q.shape), lse_t.reshape(q.shape[:2]))
+    merged = merge_attention(out_p.float(), lse_p * lse_scale, out_t.reshape(q.shape),
+                             lse_t.reshape(q.shape[:2]))
     return merged.to(q.dtype)
 
 
