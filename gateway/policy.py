@@ -10,8 +10,8 @@ Three modes build it:
 * adaptive: :class:`AdaptivePolicy` measures, per batch-size bucket, the
   target's step time with and without speculation and the tokens a
   speculative step yields, and speculates where that gives more tokens per
-  second, with a margin against flapping and periodic re-measurement of the
-  mode not in use.
+  second, judging short runs of the mode not in use against the steps just
+  before them, with a margin against flapping.
 """
 
 from __future__ import annotations
@@ -95,64 +95,77 @@ def parse_table(spec: str, default: common_pb2.DraftShape) -> target_pb2.SpecPol
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, ANY_BATCH_SIZE)
-WINDOW = 64  # steps of each mode the adaptive policy averages over
+WINDOW = 64  # steps of the mode in use a probe is judged against
+PAIRS = 3    # probes whose paired ratios the adaptive policy averages
+SETTLE = 16  # steps of the mode in use after a probe before its rate is watched
 
 
 def bucket_of(batch_size: int) -> int:
     return next(b for b in BUCKETS if batch_size <= b)
 
 
+def rate(samples: list[tuple[float, float]]) -> float:
+    """Tokens per second per sequence of (period_s, gain) samples: a step commits 1 + gain
+    tokens per sequence (gain 0 without speculation)."""
+    return sum(1 + gain for _, gain in samples) / sum(period for period, _ in samples)
+
+
 @dataclass
 class _Bucket:
-    """What was measured at one batch-size bucket: the last steps of each mode."""
+    """What was measured at one batch-size bucket."""
 
-    on: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # (period_s, gain) pairs
-    off: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # period_s
+    window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (period_s, gain) of
+    # the mode in use since the last probe ended (a probe is judged against them)
     on_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # batch sizes of on
     off_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # ... and of off
     is_on: bool = True        # the decision (until decided: the nearest decided bucket's)
-    decided: bool = False     # compared both modes on its own samples at least once
+    decided: bool = False     # judged at least one probe of its own
     probe_left: int = 0       # steps left measuring the other mode
     since_probe: int = 0
-    judge_probe: bool = False  # a probe just ended: the next comparison judges it
+    probe: list = field(default_factory=list)  # this probe's samples of the other mode
+    ratios: deque = field(default_factory=lambda: deque(maxlen=PAIRS))  # on / off, per probe
     clear_streak: int = 0     # probes in a row that found the mode in use far ahead
-
-    def rates(self) -> tuple[float, float]:
-        """Tokens per second per sequence with and without speculation (window means); the
-        gain of a speculative step is the tokens it committed per sequence beyond one."""
-        step_on = sum(t for t, _ in self.on) / len(self.on)
-        gain = sum(g for _, g in self.on) / len(self.on)
-        return (1 + gain) / step_on, len(self.off) / sum(self.off)
+    reference: float = 0.0    # the mode in use's rate when the last probe was judged
+    fresh: bool = False       # the probe's next step is its first (left out)
+    settling: bool = False    # the mode in use's next step is its first after a probe (left out)
 
     def describe(self, on: float, off: float) -> str:
         """The rates a decision was made on, and the batch sizes they were measured at."""
-        return (f"{on:.1f} vs {off:.1f} tok/s per sequence, measured at mean batch "
-                f"{sum(self.on_batch) / len(self.on_batch):.1f} on and "
+        return (f"{on:.1f} vs {off:.1f} tok/s per sequence in the last probe, mean on/off "
+                f"{sum(self.ratios) / len(self.ratios):.2f} over {len(self.ratios)} probe(s), "
+                f"measured at mean batch {sum(self.on_batch) / len(self.on_batch):.1f} on and "
                 f"{sum(self.off_batch) / len(self.off_batch):.1f} off")
 
 
 class AdaptivePolicy:
     """Chooses speculation on or off per batch-size bucket from measured step statistics.
 
-    Invariant: a bucket switches only when both modes were measured at least
-    ``min_samples`` times and the other mode beats the current one by
-    ``margin`` (relative) over the last WINDOW steps of each, so noise in the
-    per-step acceptance does not make it flap; every ``probe_every`` steps it
-    re-measures the mode not in use for ``probe_steps`` steps. Each probe in a
-    row that finds the mode in use ahead by more than ``clear_factor`` margins
-    doubles that interval, up to ``2**max_doublings`` times (re-measuring a mode
-    that is far behind costs tokens and says little); a closer call or a switch
-    resets it. The mode in use is measured all the time, so a change of
-    workload that makes it worse is seen at once; one that makes the other mode
-    better is seen at its next probe, at most ``probe_every << max_doublings``
-    steps later.
+    The mode in use is measured at every step; every ``probe_every`` steps the
+    other mode runs for ``probe_steps`` steps (a probe). Each probe is judged
+    against the mode in use's last WINDOW steps, which ran just before it: a
+    paired on/off ratio of tokens per second per sequence. Modes are never
+    compared across a long stretch of time, so drift (a machine that slows
+    down, a workload that changes) cannot decide. The first step of each mode
+    after a change of mode is left out of both (turning speculation back on
+    begins with the draft's catch-up). Invariant: a bucket switches only at the
+    end of a probe, when the mean of its last PAIRS ratios favours the other
+    mode by more than ``margin`` (relative), so per-step noise in timing and
+    acceptance does not make it flap.
 
-    A bucket that has not yet compared the modes on its own samples follows the
-    nearest bucket that has (the best mode changes slowly with the batch size),
-    and first re-measures the other mode after ``first_probe`` steps of its
-    own: buckets a workload only passes through (the tail of a wave of
-    requests) then cost nothing, where probing each on its first steps ran
-    most of those steps without speculation.
+    Each probe in a row that finds the mode in use ahead by more than
+    ``clear_factor`` margins doubles the interval to the next, up to
+    ``2**max_doublings`` times (re-measuring a mode that is far behind costs
+    tokens and says little); a closer call or a switch resets it. A change of
+    workload that makes the mode in use worse is seen at once: when its rate
+    over the last SETTLE steps falls more than two margins below its rate at the
+    last probe, the next probe starts now.
+
+    A bucket that has not yet judged a probe of its own follows the nearest
+    bucket that has (the best mode changes slowly with the batch size), and
+    first probes after ``first_probe`` steps of its own: buckets a workload only
+    passes through (the tail of a wave of requests) then cost nothing, where
+    probing each on its first steps ran most of those steps without
+    speculation.
     """
 
     def __init__(self, shape: common_pb2.DraftShape, margin: float = 0.05, min_samples: int = 8,
@@ -179,13 +192,19 @@ class AdaptivePolicy:
         # The step's period (not its own time): the loop's work between steps is paid once per
         # step, so it weighs more on plain decoding's many short steps. The gain counts the
         # tokens committed, not accepted ones that max_new_tokens then dropped.
-        if stats.speculated:
-            gain = max(stats.committed_tokens / stats.batch_size - 1, 0.0)
-            bucket.on.append((stats.period_s, gain))
-            bucket.on_batch.append(stats.batch_size)
-        else:
-            bucket.off.append(stats.period_s)
-            bucket.off_batch.append(stats.batch_size)
+        gain = max(stats.committed_tokens / stats.batch_size - 1, 0.0) if stats.speculated else 0.0
+        sample = (stats.period_s, gain)
+        if stats.speculated == bucket.is_on:
+            if bucket.settling:  # the first step back after a probe
+                bucket.settling = False
+            elif not bucket.probe_left:  # (a probe's steps the target ran late are left out)
+                bucket.window.append(sample)
+        elif bucket.probe_left:
+            if bucket.fresh:  # a probe's first step: the change of mode
+                bucket.fresh = False
+            else:
+                bucket.probe.append(sample)
+        (bucket.on_batch if stats.speculated else bucket.off_batch).append(stats.batch_size)
         self._decide(bucket, size)
         policy = self._build()
         if policy == self._policy:
@@ -196,32 +215,46 @@ class AdaptivePolicy:
     def _decide(self, bucket: _Bucket, size: int) -> None:
         if bucket.probe_left:
             bucket.probe_left -= 1
-            bucket.judge_probe = bucket.probe_left == 0
+            if bucket.probe_left == 0:
+                self._judge(bucket, size)
             return
         bucket.since_probe += 1
-        other = bucket.off if bucket.is_on else bucket.on
-        interval = self.probe_every << min(bucket.clear_streak, self.max_doublings)
-        if len(other) < self.min_samples:
-            interval = self.first_probe
-        if bucket.since_probe >= interval:
-            bucket.probe_left = self.probe_steps  # measure the mode not in use
-            bucket.since_probe = 0
+        if len(bucket.window) < self.min_samples:
             return
-        if len(bucket.on) < self.min_samples or len(bucket.off) < self.min_samples:
-            return
-        on, off = bucket.rates()
+        interval = (self.probe_every << min(bucket.clear_streak, self.max_doublings)
+                    if bucket.ratios else self.first_probe)
+        drop = 1 - self.clear_factor * self.margin
+        sudden = (bool(bucket.reference) and len(bucket.window) >= SETTLE
+                  and rate(list(bucket.window)[-SETTLE:]) < bucket.reference * drop)
+        if sudden or bucket.since_probe >= interval:
+            bucket.probe_left, bucket.since_probe, bucket.probe = self.probe_steps, 0, []
+            bucket.fresh = True
+            if sudden:
+                bucket.clear_streak = 0
+
+    def _judge(self, bucket: _Bucket, size: int) -> None:
+        """A probe ended: its paired ratio, and the decision on the last PAIRS of them."""
+        window = list(bucket.window)
+        bucket.window.clear()
+        bucket.settling = True  # the first step back in the mode in use
+        if len(bucket.probe) < 2 or not window:
+            return  # the target applied the probe too late to measure it: no judgement
+        current, other = rate(window), rate(bucket.probe)
+        on, off = (current, other) if bucket.is_on else (other, current)
+        bucket.ratios.append(on / off)
         bucket.decided = True
-        if bucket.judge_probe:
-            bucket.judge_probe = False
-            current, alternative = (on, off) if bucket.is_on else (off, on)
-            clear = current > alternative * (1 + self.clear_factor * self.margin)
-            bucket.clear_streak = bucket.clear_streak + 1 if clear else 0
-        if bucket.is_on and on < off * (1 - self.margin):
-            bucket.is_on, bucket.clear_streak = False, 0
-            log.info("batch <= %d: speculation off (%s)", size, bucket.describe(on, off))
-        elif not bucket.is_on and on > off * (1 + self.margin):
-            bucket.is_on, bucket.clear_streak = True, 0
-            log.info("batch <= %d: speculation on (%s)", size, bucket.describe(on, off))
+        ahead = (1 + self.clear_factor * self.margin)
+        clear = on / off > ahead if bucket.is_on else off / on > ahead
+        bucket.clear_streak = bucket.clear_streak + 1 if clear else 0
+        mean = sum(bucket.ratios) / len(bucket.ratios)
+        bucket.reference = current
+        if (mean < 1 - self.margin) if bucket.is_on else (mean > 1 + self.margin):
+            # the target stays in the probe's mode: its steps are the new window
+            bucket.is_on, bucket.clear_streak, bucket.settling = not bucket.is_on, 0, False
+            bucket.window.extend(bucket.probe)
+            bucket.reference = other
+            log.info("batch <= %d: speculation %s (%s)", size, "on" if bucket.is_on else "off",
+                     bucket.describe(on, off))
 
     def _follow_neighbours(self) -> None:
         """Undecided buckets take the decision of the nearest decided one (the smaller on a
