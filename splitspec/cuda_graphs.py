@@ -77,7 +77,7 @@ class StepGraphs:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, shape: AttentionShape,
                  scratch_pages: list[int], max_kv_len: int, device: torch.device | str) -> None:
         """``scratch_pages`` hold the padding rows (enough for the largest q plus one);
-        ``max_kv_len`` bounds every sequence's kv_len (sizes the page and mask buffers)."""
+        ``max_kv_len`` bounds every sequence's kv_len (sizes the page buffers)."""
         self.model, self.cache, self.shape = model, cache, shape
         self.scratch_pages, self.max_kv_len = scratch_pages, max_kv_len
         self.device = device
