@@ -141,8 +141,9 @@ class AdaptivePolicy:
 
     The mode in use is measured at every step; every ``probe_every`` steps the
     other mode runs for ``probe_steps`` steps (a probe). Each probe is judged
-    against the mode in use's last WINDOW steps, which ran just before it: a
-    paired on/off ratio of tokens per second per sequence. Modes are never
+    against the mode in use's steps since the previous probe (the last WINDOW
+    of them), which ran just before it: a paired on/off ratio of tokens per
+    second per sequence. Modes are never
     compared across a long stretch of time, so drift (a machine that slows
     down, a workload that changes) cannot decide. The first step of each mode
     after a change of mode is left out of both (turning speculation back on
@@ -157,9 +158,8 @@ class AdaptivePolicy:
     tokens and says little); a closer call or a switch resets it. A change of
     workload that makes the mode in use much worse is seen within WINDOW steps:
     when its rate over a full window falls ``2 * clear_factor`` margins (40 %)
-    below its rate at the last probe, the next probe starts then. (A trigger
-    on 16 steps fired on noise: on a shared 2-core machine it held adaptive to
-    0.84 of ON at 4 streams, with a probe every few dozen steps.)
+    below its rate at the last probe, the next probe starts then (a shorter,
+    gentler trigger fires on noise and probes every few dozen steps).
 
     A bucket that has not yet judged a probe of its own follows the nearest
     bucket that has (the best mode changes slowly with the batch size), and
