@@ -14,6 +14,9 @@ request:
    device, batched over the sequences of each tree shape, one forward per
    tree level and one read back (:class:`TreeSearch`, CUDA graphs on GPUs);
    the host then keeps each tree's best nodes (:meth:`_Candidates.best_tree`).
+   In the steady state (every sequence a top-k tree of one captured shape,
+   1 .. depth + 1 new tokens each) steps 2 and 3 are one graph replay
+   (:meth:`TreeSearch.run_caught_up`).
    With ``sampled_trees`` on, a sequence that samples gets a *sampled* tree
    instead: a fixed topology (:func:`sampled_topology`) whose nodes' children
    are drawn from the draft's own distribution without replacement, sent with
