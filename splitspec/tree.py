@@ -95,21 +95,27 @@ def depths(parents: list[int]) -> list[int]:
 
 
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """[n + 1, n + 1] bool: entry (i, j) is True when j is i itself or an ancestor of i."""
+    """[n + 1, n + 1] bool: entry (i, j) is True when j is i itself or an ancestor of i.
+    Built as host lists, one tensor at the end: the engine builds one per sequence per step."""
     n = len(parents) + 1
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    mask[0, 0] = True
+    rows = [[j == 0 for j in range(n)]]
     for i, parent in enumerate(parents, start=1):
-        mask[i] = mask[parent]
-        mask[i, i] = True
-    return mask
+        row = rows[parent].copy()
+        row[i] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool)
+
+
+def with_prefix(tree: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """A [q, q] table among new tokens spelled out over a cached prefix that every row sees:
+    [q, prefix_len + q]."""
+    prefix = torch.ones(tree.shape[0], prefix_len, dtype=torch.bool)
+    return torch.cat((prefix, tree.to(device="cpu", dtype=torch.bool)), dim=1)
 
 
 def verify_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
     """Attention mask [n + 1, prefix_len + n + 1] for the root and nodes over a cached prefix."""
-    tree = ancestor_mask(parents)
-    prefix = torch.ones(tree.shape[0], prefix_len, dtype=torch.bool)
-    return torch.cat((prefix, tree), dim=1)
+    return with_prefix(ancestor_mask(parents), prefix_len)
 
 
 def positions(parents: list[int], root_position: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from splitspec.kv_cache import KVCache, PageTable
+from splitspec.tree import with_prefix
 
 
 @dataclass
@@ -50,8 +51,7 @@ class SeqAttention:
             if self.mask is not None or tuple(self.tree.shape) != (self.q_len, self.q_len):
                 raise ValueError(f"tree shape {tuple(self.tree.shape)} != ({self.q_len}, "
                                  f"{self.q_len}), or a mask as well")
-            committed = torch.ones(self.q_len, self.kv_len - self.q_len, dtype=torch.bool)
-            return torch.cat((committed, self.tree.to(device="cpu", dtype=torch.bool)), dim=1)
+            return with_prefix(self.tree, self.kv_len - self.q_len)
         if self.mask is not None and tuple(self.mask.shape) != (self.q_len, self.kv_len):
             raise ValueError(f"mask shape {tuple(self.mask.shape)} != ({self.q_len}, {self.kv_len})")
         return self.mask
