@@ -364,19 +364,32 @@ def test_tree_search_on_flashinfer_agrees_with_the_torch_backend():
     assert same >= 0.75
 
 
+def builtin_draft_on_flashinfer(dtype: str) -> tuple[DraftConfig, object, FlashInferBackend]:
+    """The built-in EAGLE-3 head on the GPU in ``dtype``, with a flashinfer backend."""
+    cfg = DraftConfig(model=BUILTIN_EAGLE3, max_context=256, max_running=8, page_size=PAGE,
+                      device="cuda", dtype=dtype)
+    torch_dtype = getattr(torch, dtype)
+    model = load_draft_model(read_spec(BUILTIN_EAGLE3, "auto", cfg.target_dir), torch_dtype, "cuda")
+    shape = AttentionShape(model.num_heads, model.num_kv_heads, model.head_dim, PAGE, torch_dtype)
+    return cfg, model, FlashInferBackend(shape, "cuda")
+
+
+def captured_search(cfg: DraftConfig, model, backend: FlashInferBackend
+                    ) -> tuple[KVCache, PagePool, TreeSearch]:
+    """A fresh cache and a tree search captured for buckets 1 and 4 and 4x4 trees over it."""
+    cache, pool = allocate_kv_cache(cfg, model).value
+    search = TreeSearch(model, cache, prefix_attention_for(backend))
+    search.capture(backend, (1, 4), [(4, 4)], pool.allocate(1)[0], cfg.max_context)
+    return cache, pool, search
+
+
 def test_tree_search_graphs_match_eager_search():
     """The captured drafting (buckets 1 and 4, 4x4 trees) against the eager search with the same
     kernels: a batch of 1, a padded batch (3 in bucket 4), a full bucket, and 5 sequences
     (beyond the largest bucket: eager); and a shape that was not captured runs eagerly."""
-    cfg = DraftConfig(model=BUILTIN_EAGLE3, max_context=256, max_running=8, page_size=PAGE,
-                      device="cuda", dtype="bfloat16")
-    model = load_draft_model(read_spec(BUILTIN_EAGLE3, "auto", cfg.target_dir), torch.bfloat16, "cuda")
-    shape = AttentionShape(model.num_heads, model.num_kv_heads, model.head_dim, PAGE, torch.bfloat16)
-    backend = FlashInferBackend(shape, "cuda")
-    cache, pool = allocate_kv_cache(cfg, model).value
+    cfg, model, backend = builtin_draft_on_flashinfer("bfloat16")
+    cache, pool, graphed = captured_search(cfg, model, backend)
     cache.data.normal_()
-    graphed = TreeSearch(model, cache, prefix_attention_for(backend))
-    graphed.capture(backend, (1, 4), [(4, 4)], pool.allocate(1)[0], cfg.max_context)
     eager = TreeSearch(model, cache, prefix_attention_for(backend))
     generator = torch.Generator().manual_seed(1)
     for n, tree in ((1, TreeShape(8, 4, 4)), (3, TreeShape(8, 4, 4)), (4, TreeShape(8, 4, 4)),
@@ -401,15 +414,9 @@ def test_caught_up_graphs_match_the_eager_pass_and_the_two_pass_drafter():
     catch-up kernels' rounding broke near-ties in 7 of 30 trees on an H200)."""
     from draft_service.tree_search import CatchUp
 
-    cfg = DraftConfig(model=BUILTIN_EAGLE3, max_context=256, max_running=8, page_size=PAGE,
-                      device="cuda", dtype="float16")
-    model = load_draft_model(read_spec(BUILTIN_EAGLE3, "auto", cfg.target_dir), torch.float16, "cuda")
-    shape = AttentionShape(model.num_heads, model.num_kv_heads, model.head_dim, PAGE, torch.float16)
-    backend = FlashInferBackend(shape, "cuda")
-    cache, pool = allocate_kv_cache(cfg, model).value
+    cfg, model, backend = builtin_draft_on_flashinfer("float16")
+    cache, pool, graphed = captured_search(cfg, model, backend)
     cache.data.normal_()
-    graphed = TreeSearch(model, cache, prefix_attention_for(backend))
-    graphed.capture(backend, (1, 4), [(4, 4)], pool.allocate(1)[0], cfg.max_context)
     eager = TreeSearch(model, cache, prefix_attention_for(backend))
     eager.use_pad_page(pool.allocate(1)[0])
     generator = torch.Generator().manual_seed(2)
@@ -430,9 +437,7 @@ def test_caught_up_graphs_match_the_eager_pass_and_the_two_pass_drafter():
 
     trees = []
     for fused in (True, False):
-        cache, pool = allocate_kv_cache(cfg, model).value
-        search = TreeSearch(model, cache, prefix_attention_for(backend))
-        search.capture(backend, (1, 4), [(4, 4)], pool.allocate(1)[0], cfg.max_context)
+        cache, pool, search = captured_search(cfg, model, backend)
         if not fused:
             search.caught_up.clear()
         taken = []
