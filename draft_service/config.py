@@ -8,6 +8,7 @@ from pathlib import Path
 from draft_service.models import REPLAY
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
 from splitspec.config_args import option
+from splitspec.model.loader import CPU_THREADS_HELP, DEFAULT_CPU_THREADS
 
 KINDS = ("auto", "eagle3", "standalone", REPLAY)
 
@@ -28,6 +29,7 @@ class DraftConfig:
     port: int = option(50053, "gRPC port")
     dtype: str = option("float32", "weights and activations dtype", ("float32", "bfloat16", "float16"))
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    cpu_threads: int = option(DEFAULT_CPU_THREADS, CPU_THREADS_HELP)
     attention_backend: str = option("auto", "attention backend; auto = flashinfer on CUDA in "
                                     "bfloat16/float16 when it is installed, else torch",
                                     ("auto", "torch", "flashinfer"))

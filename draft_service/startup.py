@@ -42,7 +42,7 @@ from splitspec.cuda_graphs import buckets_up_to
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, Startup
 from splitspec.kv_cache import KVCache, PagePool
-from splitspec.model.loader import parse_dtype
+from splitspec.model.loader import parse_dtype, use_cpu_threads
 from splitspec.replay import read_records
 from splitspec.sampling import SamplingParams
 from splitspec.tree import tree_error
@@ -74,8 +74,10 @@ def load_config(cfg: DraftConfig) -> Detailed:
 
 
 def load_model(cfg: DraftConfig, spec: DraftSpec) -> Detailed:
+    threads = use_cpu_threads(cfg.cpu_threads)
     model = load_draft_model(spec, parse_dtype(cfg.dtype), cfg.device)
-    return Detailed(model, f"{model.num_parameters / 1e6:.1f}M parameters, {cfg.dtype} on {cfg.device}")
+    return Detailed(model, f"{model.num_parameters / 1e6:.1f}M parameters, {cfg.dtype} on "
+                    f"{cfg.device}, {threads}")
 
 
 def allocate_kv_cache(cfg: DraftConfig, model: DraftModel) -> Detailed:

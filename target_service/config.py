@@ -7,6 +7,7 @@ from pathlib import Path
 
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.config_args import option
+from splitspec.model.loader import CPU_THREADS_HELP, DEFAULT_CPU_THREADS
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,7 @@ class TargetConfig:
     draft: str = option("", "draft service address host:port; empty = no speculation")
     dtype: str = option("float32", "weights and activations dtype", ("float32", "bfloat16", "float16"))
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    cpu_threads: int = option(DEFAULT_CPU_THREADS, CPU_THREADS_HELP)
     tp: int = option(1, "tensor-parallel ranks (processes; one GPU each with --device cuda); "
                      "under torchrun the world size")
     dist_timeout_s: float = option(600.0, "timeout of the ranks' collectives (a dead rank is "

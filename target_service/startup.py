@@ -38,7 +38,7 @@ from splitspec.init_report import Detailed, InitFailed, InitReport, Startup, fai
 from splitspec.kv_cache import KVCache, PagePool
 from splitspec.model.config import LlamaConfig, read_hf_config
 from splitspec.model.llama import LlamaForCausalLM
-from splitspec.model.loader import load_llama, parse_dtype
+from splitspec.model.loader import load_llama, parse_dtype, use_cpu_threads
 from splitspec.model.parallel import SINGLE, TPGroup, layout, tp_error
 from splitspec.tokenizer import tokenizer_sha256
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
@@ -129,10 +129,12 @@ def init_distributed(cfg: TargetConfig, where: Placement) -> Detailed:
 
 
 def load_model(cfg: TargetConfig, tp: TPGroup, device: str) -> Detailed:
+    threads = use_cpu_threads(cfg.cpu_threads)
     model = load_llama(cfg.model, parse_dtype(cfg.dtype), device, tp)
     params = sum(p.numel() for p in model.parameters())
     shard = f", shard {tp.rank} of {tp.size}" if tp.size > 1 else ""
-    return Detailed(model, f"{params / 1e6:.1f}M parameters{shard}, {cfg.dtype} on {device}")
+    return Detailed(model, f"{params / 1e6:.1f}M parameters{shard}, {cfg.dtype} on {device}, "
+                    f"{threads}")
 
 
 def allocate_kv_cache(cfg: TargetConfig, model_cfg: LlamaConfig, tp: TP, device: str) -> Detailed:

@@ -33,6 +33,26 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+# A service's torch threads for its CPU ops. One: the draft and the target (and each tensor-
+# parallel rank) are separate processes on one host, and the built-in pair's ops are small;
+# with torch's default of a thread per core in every process, the stack on 2 cores ran 3.3x
+# slower (docs/benchmarks.md, "Threads"). vLLM's GPU workers use one thread for the same reason.
+DEFAULT_CPU_THREADS = 1
+CPU_THREADS_HELP = ("torch threads for this process's CPU ops (intra-op); 0 = torch's default, "
+                    "one per core. Raise it for a large model on a CPU host the process has to "
+                    "itself")
+
+
+def use_cpu_threads(threads: int) -> str:
+    """Set torch's intra-op threads (0 leaves torch's default); returns them for an init report."""
+    if threads < 0:
+        raise ValueError(f"--cpu-threads must be >= 0, got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+    count = torch.get_num_threads()
+    return f"{count} CPU thread{'s' if count != 1 else ''}"
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
