@@ -150,15 +150,18 @@ class AdaptivePolicy:
     begins with the draft's catch-up). Invariant: a bucket switches only at the
     end of a probe, when the mean of its last PAIRS ratios favours the other
     mode by more than ``margin`` (relative), so per-step noise in timing and
-    acceptance does not make it flap.
+    acceptance does not make it flap. The margin is 2 %: a bucket can stay in
+    a mode up to a margin behind the other, and the policy's aim is to stay
+    within 3 % of the better mode (a margin of 5 % let a bucket sit for good in
+    a mode 4 % behind).
 
     Each probe in a row that finds the mode in use ahead by more than
-    ``clear_factor`` margins doubles the interval to the next, up to
+    ``clear`` (relative, 20 %) doubles the interval to the next, up to
     ``2**max_doublings`` times (re-measuring a mode that is far behind costs
     tokens and says little); a closer call or a switch resets it. A change of
     workload that makes the mode in use much worse is seen within WINDOW steps:
-    when its rate over a full window falls ``2 * clear_factor`` margins (40 %)
-    below its rate at the last probe, the next probe starts then (a shorter,
+    when its rate over a full window falls ``sudden`` (40 %) below its rate at
+    the last probe, the next probe starts then (a shorter,
     gentler trigger fires on noise and probes every few dozen steps).
 
     A bucket that has not yet judged a probe of its own follows the nearest
@@ -169,13 +172,13 @@ class AdaptivePolicy:
     speculation.
     """
 
-    def __init__(self, shape: common_pb2.DraftShape, margin: float = 0.05, min_samples: int = 8,
-                 probe_every: int = 100, probe_steps: int = 8, clear_factor: int = 4,
-                 max_doublings: int = 4, first_probe: int = 16) -> None:
+    def __init__(self, shape: common_pb2.DraftShape, margin: float = 0.02, min_samples: int = 8,
+                 probe_every: int = 100, probe_steps: int = 8, clear: float = 0.2,
+                 max_doublings: int = 4, first_probe: int = 16, sudden: float = 0.4) -> None:
         self.shape = shape
         self.first_probe = first_probe
         self.margin = margin
-        self.clear_factor, self.max_doublings = clear_factor, max_doublings
+        self.clear, self.max_doublings, self.sudden = clear, max_doublings, sudden
         self.min_samples, self.probe_every, self.probe_steps = min_samples, probe_every, probe_steps
         self.buckets = {b: _Bucket() for b in BUCKETS}
         self._policy = self._build()
@@ -224,9 +227,8 @@ class AdaptivePolicy:
             return
         interval = (self.probe_every << min(bucket.clear_streak, self.max_doublings)
                     if bucket.ratios else self.first_probe)
-        drop = 1 - 2 * self.clear_factor * self.margin
         sudden = (bool(bucket.reference) and len(bucket.window) == WINDOW
-                  and rate(list(bucket.window)) < bucket.reference * drop)
+                  and rate(list(bucket.window)) < bucket.reference * (1 - self.sudden))
         if sudden or bucket.since_probe >= interval:
             bucket.probe_left, bucket.since_probe, bucket.probe = self.probe_steps, 0, []
             bucket.fresh = True
@@ -242,7 +244,7 @@ class AdaptivePolicy:
         on, off = (current, other) if bucket.is_on else (other, current)
         bucket.ratios.append(on / off)
         bucket.decided = True
-        ahead = (1 + self.clear_factor * self.margin)
+        ahead = 1 + self.clear
         clear = on / off > ahead if bucket.is_on else off / on > ahead
         bucket.clear_streak = bucket.clear_streak + 1 if clear else 0
         mean = sum(bucket.ratios) / len(bucket.ratios)
