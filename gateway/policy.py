@@ -95,8 +95,9 @@ def parse_table(spec: str, default: common_pb2.DraftShape) -> target_pb2.SpecPol
 
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, ANY_BATCH_SIZE)
-WINDOW = 64  # steps of the mode in use a probe is judged against
-PAIRS = 3    # probes whose paired ratios the adaptive policy averages
+WINDOW = 64  # steps of the mode in use the sudden-drop check looks at
+PAIRS = 4    # probes whose paired ratios the adaptive policy averages
+GAINS = 128  # speculative steps whose committed tokens give speculation's tokens per step
 
 
 def bucket_of(batch_size: int) -> int:
@@ -109,19 +110,27 @@ def rate(samples: list[tuple[float, float]]) -> float:
     return sum(1 + gain for _, gain in samples) / sum(period for period, _ in samples)
 
 
+def mean_period(samples: list[tuple[float, float]]) -> float:
+    return sum(period for period, _ in samples) / len(samples)
+
+
 @dataclass
 class _Bucket:
     """What was measured at one batch-size bucket."""
 
     window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (period_s, gain) of
-    # the mode in use since the last probe ended (a probe is judged against them)
+    # the mode in use since the last probe was judged (the sudden-drop check)
+    gains: deque = field(default_factory=lambda: deque(maxlen=GAINS))  # of speculative steps
     on_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # batch sizes of on
     off_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # ... and of off
     is_on: bool = True        # the decision (until decided: the nearest decided bucket's)
     decided: bool = False     # judged at least one probe of its own
     probe_left: int = 0       # steps left measuring the other mode
+    after_left: int = 0       # steps of the mode in use left to measure after a probe
     since_probe: int = 0
-    probe: list = field(default_factory=list)  # this probe's samples of the other mode
+    before: list = field(default_factory=list)  # the mode in use's steps just before the probe
+    probe: list = field(default_factory=list)   # this probe's samples of the other mode
+    after: list = field(default_factory=list)   # ... and the mode in use's just after it
     ratios: deque = field(default_factory=lambda: deque(maxlen=PAIRS))  # on / off, per probe
     clear_streak: int = 0     # probes in a row that found the mode in use far ahead
     reference: float = 0.0    # the mode in use's rate when the last probe was judged
@@ -140,20 +149,22 @@ class AdaptivePolicy:
     """Chooses speculation on or off per batch-size bucket from measured step statistics.
 
     The mode in use is measured at every step; every ``probe_every`` steps the
-    other mode runs for ``probe_steps`` steps (a probe). Each probe is judged
-    against the mode in use's steps since the previous probe (the last WINDOW
-    of them), which ran just before it: a paired on/off ratio of tokens per
-    second per sequence. Modes are never
-    compared across a long stretch of time, so drift (a machine that slows
-    down, a workload that changes) cannot decide. The first step of each mode
-    after a change of mode is left out of both (turning speculation back on
-    begins with the draft's catch-up). Invariant: a bucket switches only at the
-    end of a probe, when the mean of its last PAIRS ratios favours the other
-    mode by more than ``margin`` (relative), so per-step noise in timing and
-    acceptance does not make it flap. The margin is 2 %: a bucket can stay in
-    a mode up to a margin behind the other, and the policy's aim is to stay
-    within 3 % of the better mode (a margin of 5 % let a bucket sit for good in
-    a mode 4 % behind).
+    other mode runs for ``probe_steps`` steps (a probe). A probe is judged
+    against the mode in use's ``probe_steps`` steps on either side of it: a
+    paired on/off ratio of tokens per second per sequence, from steps close in
+    time, so drift (a machine that slows down, a busy neighbour for a second,
+    a workload that changes) hits both sides alike. A step's time is what
+    drifts; speculation's tokens per step do not (they depend on the draft and
+    the text), and a few steps of them are noisy (0 to depth+1 accepted), so a
+    ratio takes the step times from the sandwich and the tokens per
+    speculative step from the last GAINS of them. The first step of each mode
+    after a change of mode is left out (turning speculation back on begins
+    with the draft's catch-up). Invariant: a bucket switches only when a probe
+    is judged and the mean of its last PAIRS ratios favours the other mode by
+    more than ``margin`` (relative), so per-step noise does not make it flap.
+    The margin is 2 %: a bucket can stay in a mode up to a margin behind the
+    other, and the policy's aim is to stay within 3 % of the better mode (a
+    margin of 5 % let a bucket sit for good in a mode 4 % behind).
 
     Each probe in a row that finds the mode in use ahead by more than
     ``clear`` (relative, 20 %) doubles the interval to the next, up to
@@ -161,8 +172,8 @@ class AdaptivePolicy:
     tokens and says little); a closer call or a switch resets it. A change of
     workload that makes the mode in use much worse is seen within WINDOW steps:
     when its rate over a full window falls ``sudden`` (40 %) below its rate at
-    the last probe, the next probe starts then (a shorter,
-    gentler trigger fires on noise and probes every few dozen steps).
+    the last probe, the next probe starts then (a shorter, gentler trigger
+    fires on noise and probes every few dozen steps).
 
     A bucket that has not yet judged a probe of its own follows the nearest
     bucket that has (the best mode changes slowly with the batch size), and
@@ -198,16 +209,23 @@ class AdaptivePolicy:
         # tokens committed, not accepted ones that max_new_tokens then dropped.
         gain = max(stats.committed_tokens / stats.batch_size - 1, 0.0) if stats.speculated else 0.0
         sample = (stats.period_s, gain)
+        counted = False
         if stats.speculated == bucket.is_on:
             if bucket.settling:  # the first step back after a probe
                 bucket.settling = False
             elif not bucket.probe_left:  # (a probe's steps the target ran late are left out)
                 bucket.window.append(sample)
+                if bucket.after_left:
+                    bucket.after.append(sample)
+                counted = True
         elif bucket.probe_left:
             if bucket.fresh:  # a probe's first step: the change of mode
                 bucket.fresh = False
             else:
                 bucket.probe.append(sample)
+                counted = True
+        if counted and stats.speculated:
+            bucket.gains.append(gain)
         (bucket.on_batch if stats.speculated else bucket.off_batch).append(stats.batch_size)
         self._decide(bucket, size)
         policy = self._build()
@@ -220,6 +238,12 @@ class AdaptivePolicy:
         if bucket.probe_left:
             bucket.probe_left -= 1
             if bucket.probe_left == 0:
+                bucket.after_left, bucket.after = self.probe_steps, []
+                bucket.settling = True  # the first step back in the mode in use
+            return
+        if bucket.after_left:
+            bucket.after_left -= 1
+            if bucket.after_left == 0:
                 self._judge(bucket, size)
             return
         bucket.since_probe += 1
@@ -231,29 +255,35 @@ class AdaptivePolicy:
                   and rate(list(bucket.window)) < bucket.reference * (1 - self.sudden))
         if sudden or bucket.since_probe >= interval:
             bucket.probe_left, bucket.since_probe, bucket.probe = self.probe_steps, 0, []
+            bucket.before = list(bucket.window)[-self.probe_steps:]
             bucket.fresh = True
 
-    def _judge(self, bucket: _Bucket, size: int) -> None:
-        """A probe ended: its paired ratio, and the decision on the last PAIRS of them."""
-        window = list(bucket.window)
-        bucket.window.clear()
-        bucket.settling = True  # the first step back in the mode in use
-        if len(bucket.probe) < 2 or not window:
-            return  # the target applied the probe too late to measure it: no judgement
-        current, other = rate(window), rate(bucket.probe)
+    def _rates(self, bucket: _Bucket, current: list, other: list) -> tuple[float, float]:
+        """(on, off) tokens per second per sequence: step times from the samples, tokens per
+        speculative step from the last GAINS speculative steps."""
+        gain = sum(bucket.gains) / len(bucket.gains) if bucket.gains else 0.0
         on, off = (current, other) if bucket.is_on else (other, current)
+        return (1 + gain) / mean_period(on), 1 / mean_period(off)
+
+    def _judge(self, bucket: _Bucket, size: int) -> None:
+        """A probe and the steps after it ended: its paired ratio, and the decision on the
+        last PAIRS of them."""
+        current = bucket.before + bucket.after
+        bucket.window.clear()
+        if len(bucket.probe) < 2 or not current:
+            return  # the target applied the probe too late to measure it: no judgement
+        on, off = self._rates(bucket, current, bucket.probe)
         bucket.ratios.append(on / off)
         bucket.decided = True
         ahead = 1 + self.clear
         clear = on / off > ahead if bucket.is_on else off / on > ahead
         bucket.clear_streak = bucket.clear_streak + 1 if clear else 0
         mean = sum(bucket.ratios) / len(bucket.ratios)
-        bucket.reference = current
+        bucket.reference = on if bucket.is_on else off
         if (mean < 1 - self.margin) if bucket.is_on else (mean > 1 + self.margin):
-            # the target stays in the probe's mode: its steps are the new window
-            bucket.is_on, bucket.clear_streak, bucket.settling = not bucket.is_on, 0, False
-            bucket.window.extend(bucket.probe)
-            bucket.reference = other
+            # the next step changes mode (after the steps that followed the probe)
+            bucket.is_on, bucket.clear_streak, bucket.settling = not bucket.is_on, 0, True
+            bucket.reference = on if bucket.is_on else off
             log.info("batch <= %d: speculation %s (%s)", size, "on" if bucket.is_on else "off",
                      bucket.describe(on, off))
 
