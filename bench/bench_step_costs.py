@@ -58,6 +58,7 @@ from target_service.runner import ForwardBatch, ModelRunner
 PAGE = 16
 EAGLE3_FOR_8B = {**LLAMA_31_8B, "architectures": ["LlamaForCausalLMEagle3"],
                  "num_hidden_layers": 1, "draft_vocab_size": 32000, "target_hidden_size": 4096}
+PROFILE_CALLS = 5  # calls under torch.profiler, after the timed ones (--profile)
 TREE_PARENTS = {8: [0, 0, 0, 0, 1, 1, 5, 7]}  # 4 children of the root, a branch of depth 4
 
 
@@ -169,7 +170,7 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
                                     args.device)
             print(f"target {key}{suffix}: median {statistics.median(result[name_ms]):.3f} ms",
                   flush=True)
-            profiled(lambda b=batch: runner.forward(b), 5, args.profile, f"{key}{suffix}",
+            profiled(lambda b=batch: runner.forward(b), PROFILE_CALLS, args.profile, f"{key}{suffix}",
                      args.device)
     if graphs is not None:  # the device's share: the decode graph replayed alone
         graph = graphs.graphs[graphs.key_for(decode.attn, decode.logit_rows, ())].graph
@@ -188,14 +189,16 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
     head.t2d.fill_(True)
     model = Eagle3Draft(head)
     layer = cfg.layer
-    pages = 2 * -(-(args.context + args.iters + args.warmup + 128) // PAGE)
+    # Every call commits a token: two timed rounds (graphed, then two-pass) and the profile.
+    calls = 2 * (args.warmup + args.iters) + PROFILE_CALLS
+    pages = 2 * -(-(args.context + calls + 128) // PAGE)
     cache = KVCache(1, pages, PAGE, layer.num_kv_heads, layer.head_dim, dtype, args.device)
     shape = AttentionShape(layer.num_heads, layer.num_kv_heads, layer.head_dim, PAGE, dtype)
     name, _ = choose_backend(args.attention_backend, args.device, dtype)
     backend = make_backend(name, shape, args.device)
     if isinstance(backend, FlashInferBackend):
         backend.compile_kernels(masked=True)
-    limits = DrafterLimits(max_running=4, max_context=args.context + args.iters + args.warmup + 64,
+    limits = DrafterLimits(max_running=4, max_context=args.context + calls + 64,
                            max_tree_nodes=64)
     pool = PagePool(pages)
     search = None
@@ -219,7 +222,7 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
         where[0] += 1
 
     times = timed(step, args.warmup, args.iters, args.device)
-    profiled(step, 5, args.profile, "draft", args.device)
+    profiled(step, PROFILE_CALLS, args.profile, "draft", args.device)
     print(f"draft tree ({args.tree_nodes}/{args.topk}/{args.depth}): median "
           f"{statistics.median(times):.3f} ms", flush=True)
     result = {"backend": name, "draft_ms": times, "target_layers": target_layers,
@@ -250,7 +253,9 @@ def main() -> int:
     parser.add_argument("--torch-ops-too", action="store_true", help="also time the target "
                         "with torch's norms/rotary/activation (graphs recaptured)")
     parser.add_argument("--profile", type=Path, help="write torch.profiler tables of each call "
-                        "here (5 calls each, after the timing)")
+                        "here (5 calls each, after the timing); the profiler slows what is timed after it "
+                        "(on the H200 the 8B decode graph replayed alone took 5.20 instead of 4.75 "
+                        "ms), so take the timings from a run without it")
     args = parser.parse_args()
     dtype = parse_dtype(args.dtype)
     target_hf, eagle_hf = configs(args.shape)
