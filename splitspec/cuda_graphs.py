@@ -10,8 +10,9 @@ bucket >= n; the rows beyond n are padding: token 0 on scratch pages no
 sequence owns, attending to those pages alone. Prompts, mixed batches, trees
 of other sizes and batches larger than the largest bucket run eagerly.
 
-Before each replay only host work happens outside the graph: the inputs are
-copied into the graph's static buffers, and its flashinfer decode wrapper
+Before each replay only host work happens outside the graph: the inputs (ids,
+positions and KV write slots, padded) are written to a pinned host buffer and
+copied into the graph's static buffer in one copy, and its flashinfer decode wrapper
 (built in CUDA-graph mode with buffers of its own) is planned for the real
 pages. For q = 1 that wrapper is the whole attention. A verify graph attends
 in two parts (splitspec/attention/cascade.py): the wrapper runs q rows per
@@ -63,9 +64,11 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     wrapper: Any                 # decode wrapper (q = 1) or FlashInferPrefix (verify), in
                                  # CUDA-graph mode, planned before replay
-    ids: torch.Tensor            # [b * q] static inputs
-    positions: torch.Tensor
-    write_slots: torch.Tensor
+    inputs: torch.Tensor         # [3, W] int64 static inputs: ids, positions, write slots in
+                                 # the first b * q of each row (W: b * q rounded up to 16)
+    staging: Any                 # numpy view of a pinned [3, W] host twin of inputs
+    staged: torch.Tensor         # the pinned twin itself
+    copied: torch.cuda.Event     # recorded after the last copy out of staging
     trees: torch.Tensor | None   # [b, q, q] static input of a verify graph
     logits: torch.Tensor         # [b * q, V] static outputs
     aux: torch.Tensor | None     # [b * q, k * H]
@@ -124,7 +127,9 @@ class StepGraphs:
 
     def run(self, key: GraphKey, ids: torch.Tensor, positions: torch.Tensor,
             seqs: list[SeqAttention]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay a graph for these sequences: (logits [n * q, V], aux [n * q, k * H] or None)."""
+        """Replay a graph for these sequences: (logits [n * q, V], aux [n * q, k * H] or None).
+        ``ids`` and ``positions`` ([n * q]) are best on the host: they go to the device in
+        one copy with the write slots (one copy instead of seven small ones)."""
         size, q_len, _ = key
         g = self.graphs[key]
         rows = len(seqs) * q_len
@@ -133,11 +138,13 @@ class StepGraphs:
         self._plan(g.wrapper, layout, padded, q_len)
         if g.trees is not None:
             g.trees.copy_(torch.stack([seq.tree for seq in padded]), non_blocking=True)
-        g.ids[:rows].copy_(ids, non_blocking=True)
-        g.ids[rows:].zero_()
-        g.positions[:rows].copy_(positions, non_blocking=True)
-        g.positions[rows:].zero_()
-        g.write_slots.copy_(layout.write_slots, non_blocking=True)
+        g.copied.synchronize()  # the last replay's inputs have left the pinned buffer
+        g.staging[0, :rows] = ids.cpu().numpy()
+        g.staging[1, :rows] = positions.cpu().numpy()
+        g.staging[:2, rows:] = 0  # padding rows: token 0 at position 0
+        g.staging[2, :size * q_len] = layout.write_slots.numpy()
+        g.inputs.copy_(g.staged, non_blocking=True)
+        g.copied.record()
         g.graph.replay()
         return g.logits[:rows].clone(), None if g.aux is None else g.aux[:rows].clone()
 
@@ -182,9 +189,14 @@ class StepGraphs:
         padded = self._padding(size, q_len)
         layout = PagedLayout.of(padded, self.shape.page_size)
         self._plan(wrapper, layout, padded, q_len)
-        ids = torch.zeros(size * q_len, dtype=torch.int64, device=device)
-        positions = torch.zeros(size * q_len, dtype=torch.int64, device=device)
-        write_slots = layout.write_slots.to(device)
+        # Each row starts 128-byte aligned, as a tensor of its own would: Triton kernels
+        # specialise on 16-byte-aligned pointers, and rows of [3, 1] would put the
+        # positions 8 bytes in.
+        width = -(-size * q_len // 16) * 16
+        inputs = torch.zeros(3, width, dtype=torch.int64, device=device)
+        ids, positions, write_slots = inputs[:, : size * q_len].unbind()
+        write_slots.copy_(layout.write_slots)
+        staged = torch.zeros(3, width, dtype=torch.int64, pin_memory=True)
         trees = None
         if q_len == 1:
             ctx = AttentionContext(PlannedAttention(), FlashInferMetadata(write_slots, wrapper),
@@ -208,4 +220,6 @@ class StepGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 logits, aux = forward()
-        return _Graph(graph, wrapper, ids, positions, write_slots, trees, logits, aux)
+        copied = torch.cuda.Event()
+        copied.record()
+        return _Graph(graph, wrapper, inputs, staged.numpy(), staged, copied, trees, logits, aux)

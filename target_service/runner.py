@@ -52,8 +52,7 @@ class ModelRunner:
                if self.graphs is not None else None)
         if key is not None:
             with torch.inference_mode():
-                return self.graphs.run(key, batch.ids.to(self.device),
-                                       batch.positions.to(self.device), batch.attn)
+                return self.graphs.run(key, batch.ids, batch.positions, batch.attn)
         meta = self.backend.plan(batch.attn, self.device)
         ctx = AttentionContext(self.backend, meta, self.cache)
         with torch.inference_mode():
