@@ -185,6 +185,16 @@ def speculated_share(stats: RunStats) -> float:
     return sum(s.speculated for s in decode) / len(decode) if decode else 0.0
 
 
+def mixed_steps(stats: RunStats) -> tuple[float, float, float]:
+    """(share of steps that prefill and decode in one forward, their mean ms, the mean ms of
+    decode-only steps): a mixed step runs eagerly (no CUDA graph covers it), so a workload
+    whose requests arrive one by one pays an eager step for most of its steps."""
+    mixed = [s.total_s for s in stats.steps if s.prefill_tokens and s.batch_size]
+    decode = [s.total_s for s in stats.steps if not s.prefill_tokens and s.batch_size]
+    mean_ms = lambda xs: 1000 * statistics.fmean(xs) if xs else 0.0  # noqa: E731
+    return (len(mixed) / len(stats.steps) if stats.steps else 0.0), mean_ms(mixed), mean_ms(decode)
+
+
 def mean_decode_batch(stats: RunStats) -> float:
     decode = [s.batch_size for s in stats.steps if s.prefill_tokens == 0 and s.batch_size]
     return statistics.fmean(decode) if decode else 0.0
@@ -354,7 +364,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         runs: dict[str, tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None] = {
             "OFF": None, "ON": SHAPES[args.shape], "static": static, "adaptive": adaptive}
         keys = ["tokens_per_s", "wall_s", "accepted_per_verify_step", "speculated_step_share",
-                "mean_decode_batch"] + (["draft_trees", "replay_misses"] if draft else [])
+                "mean_decode_batch", "mixed_step_share", "mixed_step_ms", "decode_step_ms"] + (
+                    ["draft_trees", "replay_misses"] if draft else [])
         entry: dict[str, Any] = {"concurrency": concurrency, "num_prompts": len(prompts),
                                  **{key: {mode: [] for mode in modes} for key in keys},
                                  "warmup_tokens_per_s": {mode: [] for mode in warm_modes}}
@@ -387,6 +398,10 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                 entry["accepted_per_verify_step"][mode].append(stats.mean_accepted)
                 entry["speculated_step_share"][mode].append(speculated_share(stats))
                 entry["mean_decode_batch"][mode].append(mean_decode_batch(stats))
+                mixed_share, mixed_ms, decode_ms = mixed_steps(stats)
+                entry["mixed_step_share"][mode].append(mixed_share)
+                entry["mixed_step_ms"][mode].append(mixed_ms)
+                entry["decode_step_ms"][mode].append(decode_ms)
                 replay = ""
                 if draft is not None:
                     trees_after, misses_after = draft_counts(draft)
@@ -398,7 +413,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                 print(f"[{done}/{total}] concurrency {concurrency}, {mode}, run "
                       f"{repeat + 1}/{args.repeats}: {stats.tokens_per_s:.1f} tok/s "
                       f"({stats.wall_s:.1f} s, {speculated_share(stats):.0%} of steps "
-                      f"speculated, mean batch {mean_decode_batch(stats):.1f}, "
+                      f"speculated, mean batch {mean_decode_batch(stats):.1f}, {mixed_share:.0%} "
+                      f"of steps mixed at {mixed_ms:.1f} ms against {decode_ms:.1f} ms, "
                       f"{stats.mean_accepted:.2f} accepted per verify step{replay}); "
                       f"{time.perf_counter() - start:.0f} s so far", file=sys.stderr, flush=True)
         report["results"].append(entry)
