@@ -195,6 +195,13 @@ def mixed_steps(stats: RunStats) -> tuple[float, float, float]:
     return (len(mixed) / len(stats.steps) if stats.steps else 0.0), mean_ms(mixed), mean_ms(decode)
 
 
+def eager_share(stats: RunStats) -> float:
+    """Share of the steps with decoding sequences that ran eagerly (no CUDA graph; every step
+    on CPU)."""
+    decode = [s for s in stats.steps if s.batch_size]
+    return sum(not s.graphed for s in decode) / len(decode) if decode else 0.0
+
+
 def mean_decode_batch(stats: RunStats) -> float:
     decode = [s.batch_size for s in stats.steps if s.prefill_tokens == 0 and s.batch_size]
     return statistics.fmean(decode) if decode else 0.0
@@ -364,7 +371,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         runs: dict[str, tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None] = {
             "OFF": None, "ON": SHAPES[args.shape], "static": static, "adaptive": adaptive}
         keys = ["tokens_per_s", "wall_s", "accepted_per_verify_step", "speculated_step_share",
-                "mean_decode_batch", "mixed_step_share", "mixed_step_ms", "decode_step_ms"] + (
+                "mean_decode_batch", "mixed_step_share", "mixed_step_ms", "decode_step_ms", "eager_step_share"] + (
                     ["draft_trees", "replay_misses"] if draft else [])
         entry: dict[str, Any] = {"concurrency": concurrency, "num_prompts": len(prompts),
                                  **{key: {mode: [] for mode in modes} for key in keys},
@@ -402,6 +409,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                 entry["mixed_step_share"][mode].append(mixed_share)
                 entry["mixed_step_ms"][mode].append(mixed_ms)
                 entry["decode_step_ms"][mode].append(decode_ms)
+                entry["eager_step_share"][mode].append(eager_share(stats))
                 replay = ""
                 if draft is not None:
                     trees_after, misses_after = draft_counts(draft)
@@ -415,6 +423,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                       f"({stats.wall_s:.1f} s, {speculated_share(stats):.0%} of steps "
                       f"speculated, mean batch {mean_decode_batch(stats):.1f}, {mixed_share:.0%} "
                       f"of steps mixed at {mixed_ms:.1f} ms against {decode_ms:.1f} ms, "
+                      f"{eager_share(stats):.0%} eager, "
                       f"{stats.mean_accepted:.2f} accepted per verify step{replay}); "
                       f"{time.perf_counter() - start:.0f} s so far", file=sys.stderr, flush=True)
         report["results"].append(entry)

@@ -362,7 +362,7 @@ class Engine:
             draft_s=forward_start - draft_start, forward_s=forward_end - forward_start,
             total_s=end - start, waiting=len(self.scheduler.waiting),
             draft_compute_s=self._draft_compute_s, period_s=end - period_start,
-            committed_tokens=committed)
+            committed_tokens=committed, graphed=self.runner.last_graphed)
         self._record_step(self.last_stats, span)
         span.end()
         self._flush()

@@ -45,11 +45,13 @@ class ModelRunner:
         self.backend = backend
         self.device = device
         self.graphs: StepGraphs | None = None  # set by the capture_cuda_graphs step
+        self.last_graphed = False  # whether the last forward replayed a graph
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [len(logit_rows), V] float32, captured features [T, k * H] or None)."""
         key = (self.graphs.key_for(batch.attn, batch.logit_rows, batch.capture)
                if self.graphs is not None else None)
+        self.last_graphed = key is not None
         if key is not None:
             with torch.inference_mode():
                 return self.graphs.run(key, batch.ids, batch.positions, batch.attn)

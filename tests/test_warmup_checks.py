@@ -62,6 +62,7 @@ def test_low_precision_refuses_a_real_disagreement():
 
 class NullRunner:
     device = "cpu"
+    last_graphed = False
     cache = types.SimpleNamespace(page_size=16)
 
     def __init__(self) -> None:
@@ -95,6 +96,24 @@ def test_engine_call_runs_on_the_engine_thread_and_raises_there_errors_here():
         assert logits.tolist() == [float(i) for i in range(8)]
         assert runner.forwards[0][0] == [3, 1, 4, 1, 5]
         assert pool.num_free == 8  # the scratch pages went back
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_step_stats_say_whether_the_forward_replayed_a_graph(graphed):
+    runner = NullRunner()
+    runner.last_graphed = graphed  # what ModelRunner.forward records for its last call
+    engine = Engine(runner, Scheduler(PagePool(8), 4, 8),
+                    EngineLimits(8, 64, 64, 8, common_pb2.DraftShape(), frozenset()), None, ())
+    stop = threading.Event()
+    thread = threading.Thread(target=engine.run, args=(stop, print), daemon=True)
+    thread.start()
+    try:
+        tokens, _ = engine.generate([3, 1, 4], 2, common_pb2.SPECULATION_MODE_OFF)
+        assert len(tokens) == 2
+        assert engine.last_stats.batch_size == 1 and engine.last_stats.graphed == graphed
     finally:
         stop.set()
         thread.join(5)
