@@ -289,13 +289,14 @@ class AdaptivePolicy:
 
     def _follow_neighbours(self) -> None:
         """Undecided buckets take the decision of the nearest decided one (the smaller on a
-        tie); with none decided, they stay on."""
+        tie); with none decided, they stay on. A bucket in a probe or in the steps after it
+        keeps its mode until that probe is judged (its samples are sorted by that mode)."""
         decided = [i for i, b in enumerate(self.buckets.values()) if b.decided]
         if not decided:
             return
         buckets = list(self.buckets.values())
         for i, bucket in enumerate(buckets):
-            if not bucket.decided:
+            if not bucket.decided and not (bucket.probe_left or bucket.after_left):
                 bucket.is_on = buckets[min(decided, key=lambda j: (abs(j - i), j))].is_on
 
     def _build(self) -> target_pb2.SpecPolicy:

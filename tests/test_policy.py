@@ -237,3 +237,27 @@ def test_adaptive_holds_a_ten_percent_lead_through_bursts_of_slowness():
         off_share.append(off_steps / 7700)
     assert sum(off_share) / len(off_share) < 0.10, off_share  # the probes: 8 steps in 108
     assert switches <= 6, switches
+
+
+def test_a_bucket_keeps_its_mode_through_its_probe_when_a_neighbour_decides():
+    """Bucket 64, undecided and on, starts its first probe; bucket 1 then decides off. Bucket
+    64 follows its neighbour only after its own probe is judged: flipping it mid-probe turned
+    its probe into speculative steps and sorted its samples into the wrong modes."""
+    policy = AdaptivePolicy(DEFAULT, first_probe=16)
+    wide, narrow = policy.buckets[64], policy.buckets[1]
+
+    def feed(batch: int, on_s: float, gain: float) -> bool:
+        on = speculates(policy, batch)
+        policy.observe(step(batch, on, on_s if on else 0.010, round(gain * batch) if on else 0))
+        return on
+
+    while not wide.probe_left:
+        feed(64, 0.010, 2.0)  # speculation 3x ahead at batch 64
+    modes = [feed(64, 0.010, 2.0)]
+    while not narrow.decided:
+        feed(1, 0.060, 0.5)  # and 4x behind at batch 1
+    assert not narrow.is_on and wide.is_on and not wide.decided
+    while not wide.decided:
+        modes.append(feed(64, 0.010, 2.0))
+    assert modes[:8] == [False] * 8 and all(modes[8:]), modes  # the probe, then its mode
+    assert wide.is_on and wide.ratios[-1] > 2.5
