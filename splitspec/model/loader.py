@@ -35,8 +35,9 @@ def parse_dtype(name: str) -> torch.dtype:
 
 # A service's torch threads for its CPU ops. One: the draft and the target (and each tensor-
 # parallel rank) are separate processes on one host, and the built-in pair's ops are small;
-# with torch's default of a thread per core in every process, the stack on 2 cores ran 3.3x
-# slower (docs/benchmarks.md, "Threads"). vLLM's GPU workers use one thread for the same reason.
+# with torch's default of a thread per core in every process, plain decoding on 2 cores ran
+# up to 3.3x slower (docs/benchmarks.md, "Threads"). vLLM's GPU workers use one thread for
+# the same reason.
 DEFAULT_CPU_THREADS = 1
 CPU_THREADS_HELP = ("torch threads for this process's CPU ops (intra-op); 0 = torch's default, "
                     "one per core. Raise it for a large model on a CPU host the process has to "
