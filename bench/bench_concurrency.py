@@ -26,6 +26,11 @@ numbers with the machine and command (``--out-json``) and a plot
         --out-md docs/bench/concurrency_cpu.md --out-json bench/results/concurrency_cpu.json \\
         --out-png docs/bench/concurrency_cpu.png
 
+``--new-tokens-spread F`` draws each request's length from [(1 - F) x max, max] (the same
+lengths in every mode): without it every request of a wave generates ``--max-new-tokens``,
+so plain decoding keeps each wave in step and prefills it in one step, while speculation
+(different tokens per step for each sequence) makes requests finish and arrive one by one.
+
 ``--from-json`` re-renders the table and plot of a saved run without running anything.
 ``--modes`` runs fewer modes (OFF and ON always: the ratios are against them). With
 ``--start`` both services get ``--device`` and ``--dtype`` (and ``--max-context`` when
@@ -66,6 +71,7 @@ import logging
 import math
 import os
 import platform
+import random
 import shlex
 import shutil
 import statistics
@@ -146,12 +152,29 @@ def prompts_for(concurrency: int, num_prompts: int) -> int:
 
 
 def prompts_for_time(default: int, concurrency: int, tokens_per_s: float, seconds: float,
-                     max_new_tokens: int) -> int:
-    """Prompts that keep a run at `tokens_per_s` busy for at least `seconds`: never fewer than
-    `default`, and a whole number of waves of `concurrency` requests (so the last wave is as
-    full as the others)."""
+                     max_new_tokens: float) -> int:
+    """Prompts of `max_new_tokens` new tokens on average that keep a run at `tokens_per_s`
+    busy for at least `seconds`: never fewer than `default`, and a whole number of waves of
+    `concurrency` requests (so the last wave is as full as the others)."""
     need = max(default, math.ceil(seconds * tokens_per_s / max_new_tokens))
     return math.ceil(need / concurrency) * concurrency
+
+
+def request_lengths(count: int, max_new_tokens: int, spread: float) -> list[int]:
+    """New tokens of each of `count` requests: all `max_new_tokens` at spread 0; else drawn
+    uniformly from [ceil((1 - spread) * max_new_tokens), max_new_tokens] (at least 1), the
+    same list for every mode and run (seeded), so every mode does the same work."""
+    if spread == 0:
+        return [max_new_tokens] * count
+    low = max(1, math.ceil((1 - spread) * max_new_tokens))
+    rng = random.Random(0)
+    return [rng.randint(low, max_new_tokens) for _ in range(count)]
+
+
+def new_tokens_text(settings: dict[str, Any]) -> str:
+    """'48' or, with a spread, '24-48' (the range of each request's new tokens)."""
+    spread, top = settings.get("new_tokens_spread", 0.0), settings["max_new_tokens"]
+    return f"{max(1, math.ceil((1 - spread) * top))}-{top}" if spread else str(top)
 
 
 def cpu_model() -> str:
@@ -257,7 +280,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{machine['label']}; torch {machine['torch']}, {machine['device']}; {report['date']}. "
         f"{target}{settings['draft']} draft, {settings['shape_name']} shape "
         f"{'/'.join(map(str, settings['shape']))} (nodes/topk/depth); {settings['prompts']} "
-        f"prompts{prompt_len} x {settings['max_new_tokens']} new tokens, greedy; "
+        f"prompts{prompt_len} x {new_tokens_text(settings)} new tokens, greedy; "
         f"{settings['repeats']} runs per mode, interleaved, medians, after "
         f"{settings.get('warmup', 0)} untimed {', '.join(warm[:-1])} and {warm[-1]} run(s) at "
         f"each concurrency" + (f"; timed runs sized to last at least {settings['min_run_s']:g} s "
@@ -318,7 +341,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     target = f"target model {settings['target_label']}\n" if settings.get("target_label") else ""
     ax.set_title(f"Speculation policy against concurrency: {report['machine']['label']}\n"
                  f"{target}{settings['draft']} draft, shape {'/'.join(map(str, settings['shape']))}, "
-                 f"{settings['max_new_tokens']} new tokens, {report['date'][:10]}", fontsize=10)
+                 f"{new_tokens_text(settings)} new tokens, {report['date'][:10]}", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -378,9 +401,10 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                                  "warmup_tokens_per_s": {mode: [] for mode in warm_modes}}
         # Untimed: the first runs at a new batch size are slow, and the adaptive policy learns
         # here what a long-running gateway has long known.
+        lengths = request_lengths(len(prompts), args.max_new_tokens, args.new_tokens_spread)
         for _ in range(args.warmup):
             for mode in warm_modes:
-                stats = run_target(stub, prompts, args.max_new_tokens, runs[mode], concurrency)
+                stats = run_target(stub, prompts, lengths, runs[mode], concurrency)
                 entry["warmup_tokens_per_s"][mode].append(stats.tokens_per_s)
                 print(f"warm-up: concurrency {concurrency}, {mode}: {stats.tokens_per_s:.1f} "
                       f"tok/s ({stats.wall_s:.1f} s, not counted); "
@@ -391,15 +415,16 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
             # fastest mode's warm-up rate sets the size, so every mode runs at least that long.
             fastest = max(max(rates) for rates in entry["warmup_tokens_per_s"].values())
             count = prompts_for_time(len(prompts), concurrency, fastest, args.min_run_s,
-                                     args.max_new_tokens)
+                                     statistics.fmean(lengths))
             prompts = [all_prompts[i % len(all_prompts)] for i in range(count)]
+            lengths = request_lengths(count, args.max_new_tokens, args.new_tokens_spread)
             entry["num_prompts"] = count
             print(f"concurrency {concurrency}: {count} prompts per timed run (at least "
                   f"{args.min_run_s:g} s at {fastest:.1f} tok/s)", file=sys.stderr, flush=True)
         for repeat in range(args.repeats):
             for mode in modes:  # interleaved, so drift hits all alike
                 trees, misses = draft_counts(draft)
-                stats = run_target(stub, prompts, args.max_new_tokens, runs[mode], concurrency)
+                stats = run_target(stub, prompts, lengths, runs[mode], concurrency)
                 entry["tokens_per_s"][mode].append(stats.tokens_per_s)
                 entry["wall_s"][mode].append(stats.wall_s)
                 entry["accepted_per_verify_step"][mode].append(stats.mean_accepted)
@@ -520,6 +545,11 @@ def main(argv: list[str] | None = None) -> int:
                              "take this long (0: --num-prompts decides; needs --warmup >= 1)")
     parser.add_argument("--prompt-len", type=int, default=64, help="with --prompts heldout")
     parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--new-tokens-spread", type=float, default=0.0,
+                        help="0 = every request generates --max-new-tokens (its waves stay in "
+                        "step without speculation); F in (0, 1] = each request's length is drawn "
+                        "from [(1 - F) x max, max], the same for every mode, so requests finish "
+                        "and arrive one by one in every mode, as real traffic does")
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode; medians reported")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed OFF, ON and adaptive runs at each concurrency before the timed ones (adaptive learns in them)")
@@ -538,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.static_threshold, args.warmup) < 0 or min(args.repeats, args.max_new_tokens) < 1:
         parser.error("--static-threshold and --warmup must be >= 0, --repeats and "
                      "--max-new-tokens >= 1")
+    if not 0 <= args.new_tokens_spread <= 1:  # NaN fails too
+        parser.error(f"--new-tokens-spread must be in [0, 1], got {args.new_tokens_spread}")
     if args.min_run_s < 0 or (args.min_run_s and not args.warmup):
         parser.error("--min-run-s must be >= 0, and sizes runs from the warm-up's rates: "
                      "it needs --warmup >= 1")
@@ -566,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
                      "shape_name": args.shape, "shape": list(SHAPES[args.shape]),
                      "static_threshold": args.static_threshold, "prompts": args.prompts,
                      "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
+                     "new_tokens_spread": args.new_tokens_spread,
                      "repeats": args.repeats, "warmup": args.warmup, "min_run_s": args.min_run_s,
                      "concurrency": args.concurrency, "modes": args.modes,
                      "random_weights": args.random_8b, "max_context": args.max_context or None,

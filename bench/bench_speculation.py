@@ -88,13 +88,16 @@ class RunStats:
                                                     strict=True)]
 
 
-def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_new: int,
+def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_new: int | list[int],
                shape: tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None,
                concurrency: int) -> RunStats:
-    """Generate every prompt, keeping `concurrency` in flight, on one Serve stream whose
-    policy drafts `shape` at every batch size (None: speculation off), is a ready policy
-    table, or follows an adaptive policy fed with every step's statistics (as the gateway
-    does)."""
+    """Generate every prompt (`max_new` new tokens, or `max_new[i]` for prompt i), keeping
+    `concurrency` in flight, on one Serve stream whose policy drafts `shape` at every batch
+    size (None: speculation off), is a ready policy table, or follows an adaptive policy fed
+    with every step's statistics (as the gateway does)."""
+    lengths = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
+    if len(lengths) != len(prompts):
+        raise ValueError(f"{len(lengths)} lengths for {len(prompts)} prompts")
     requests: queue.Queue = queue.Queue()
     stats = RunStats()
     mode = common_pb2.SPECULATION_MODE_OFF
@@ -115,7 +118,7 @@ def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_n
     def admit_next() -> None:
         rid, ids = pending.pop(0)
         requests.put(target_pb2.ServeRequest(admit=target_pb2.Admit(
-            request_id=rid, prompt_ids=ids, max_new_tokens=max_new, ignore_eos=True,
+            request_id=rid, prompt_ids=ids, max_new_tokens=lengths[rid], ignore_eos=True,
             speculation=mode)))
 
     for _ in range(min(concurrency, len(pending))):

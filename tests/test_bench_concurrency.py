@@ -151,7 +151,8 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         [sys.executable, "bench/bench_concurrency.py", "--start", "--draft-kind", "replay",
          "--replay-corrupt-rate", "0", "--prompts", "fixed", "--num-prompts", "4",
          "--concurrency", "1,2", "--repeats", "1", "--max-new-tokens", "8", "--max-context",
-         "64", "--modes", "OFF,ON,adaptive", "--out-json", str(out), "--out-md", str(table)],
+         "64", "--modes", "OFF,ON,adaptive", "--new-tokens-spread", "0.5", "--out-json",
+         str(out), "--out-md", str(table)],
         cwd=REPO, timeout=240, capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "recorded 4 continuations of 16 tokens" in run.stderr  # the 4 prompts, 8 + spare
@@ -168,8 +169,12 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         assert accepted > 0.5 * depth, entry["accepted_per_verify_step"]  # R = 0: ~depth
         assert entry["draft_trees"]["ON"][0] > 0 and entry["replay_misses"]["ON"] == [0]
         assert entry["draft_trees"]["OFF"] == [0]
+        work = sum(bc.request_lengths(entry["num_prompts"], 8, 0.5))  # the spread lengths
+        for mode, rates in entry["tokens_per_s"].items():
+            assert round(rates[0] * entry["wall_s"][mode][0]) == work, mode
     header = table.read_text().splitlines()[0]
     assert "replay(records.jsonl, corrupt 0.00) draft" in header
+    assert "x 4-8 new tokens" in header and settings["new_tokens_spread"] == 0.5
     assert f"{depth:.2f} expected at corrupt 0.00; replay misses in timed runs: 0 of" in header
 
 
@@ -181,3 +186,15 @@ def test_runs_sized_by_time_take_whole_waves_and_never_fewer_prompts():
     assert bc.prompts_for_time(16, 3, 100.0, 10.0, 48) == 21  # 20.8 -> 21, a multiple of 3
     with pytest.raises(SystemExit):
         bc.main(["--min-run-s", "5", "--warmup", "0"])
+
+
+def test_request_lengths_spread_the_work_the_same_way_for_every_mode():
+    assert bc.request_lengths(5, 48, 0.0) == [48] * 5
+    lengths = bc.request_lengths(200, 48, 0.5)
+    assert lengths == bc.request_lengths(200, 48, 0.5)  # every mode and run: the same work
+    assert min(lengths) == 24 and max(lengths) == 48
+    assert min(bc.request_lengths(200, 48, 1.0)) == 1
+    assert bc.new_tokens_text({"max_new_tokens": 48, "new_tokens_spread": 0.5}) == "24-48"
+    assert bc.new_tokens_text({"max_new_tokens": 48}) == "48"  # reports from before the option
+    with pytest.raises(SystemExit):
+        bc.main(["--new-tokens-spread", "1.5"])
