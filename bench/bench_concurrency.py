@@ -211,7 +211,7 @@ def speculated_share(stats: RunStats) -> float:
 def mixed_steps(stats: RunStats) -> tuple[float, float, float]:
     """(share of steps that prefill and decode in one forward, their mean ms, the mean ms of
     decode-only steps): a mixed step runs eagerly (no CUDA graph covers it), so a workload
-    whose requests arrive one by one pays an eager step for most of its steps."""
+    whose requests arrive one by one pays an eager step for many of its steps."""
     mixed = [s.total_s for s in stats.steps if s.prefill_tokens and s.batch_size]
     decode = [s.total_s for s in stats.steps if not s.prefill_tokens and s.batch_size]
     mean_ms = lambda xs: 1000 * statistics.fmean(xs) if xs else 0.0  # noqa: E731
