@@ -101,7 +101,7 @@ def test_draft_vocab_mismatch_fails_target_naming_both_sizes(tmp_path):
 
 def test_draft_and_target_run_one_cpu_thread_by_default(draft, target):
     """Each service sets its torch threads in load_model and says so: with torch's default (a
-    thread per core in every process) the stack ran 3.3x slower on 2 cores."""
+    thread per core in every process) plain decoding ran up to 3.3x slower on 2 cores."""
     for service in (draft, target):
         detail = next(line for line in service.log.splitlines() if "load_model" in line
                       and "parameters" in line)
