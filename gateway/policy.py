@@ -214,9 +214,8 @@ class AdaptivePolicy:
             if bucket.settling:  # the first step back after a probe
                 bucket.settling = False
             elif not bucket.probe_left:  # (a probe's steps the target ran late are left out)
-                bucket.window.append(sample)
-                if bucket.after_left:
-                    bucket.after.append(sample)
+                # the steps after a probe are judged with it (the window starts over then)
+                (bucket.after if bucket.after_left else bucket.window).append(sample)
                 counted = True
         elif bucket.probe_left:
             if bucket.fresh:  # a probe's first step: the change of mode
