@@ -160,21 +160,25 @@ def prompts_for_time(default: int, concurrency: int, tokens_per_s: float, second
     return math.ceil(need / concurrency) * concurrency
 
 
+def shortest_request(max_new_tokens: int, spread: float) -> int:
+    """The fewest new tokens a request of a run with this spread generates (at least 1)."""
+    return max(1, math.ceil((1 - spread) * max_new_tokens))
+
+
 def request_lengths(count: int, max_new_tokens: int, spread: float) -> list[int]:
     """New tokens of each of `count` requests: all `max_new_tokens` at spread 0; else drawn
-    uniformly from [ceil((1 - spread) * max_new_tokens), max_new_tokens] (at least 1), the
-    same list for every mode and run (seeded), so every mode does the same work."""
+    uniformly from [shortest_request, max_new_tokens], the same list for every mode and run
+    (seeded), so every mode does the same work."""
     if spread == 0:
         return [max_new_tokens] * count
-    low = max(1, math.ceil((1 - spread) * max_new_tokens))
-    rng = random.Random(0)
+    low, rng = shortest_request(max_new_tokens, spread), random.Random(0)
     return [rng.randint(low, max_new_tokens) for _ in range(count)]
 
 
 def new_tokens_text(settings: dict[str, Any]) -> str:
     """'48' or, with a spread, '24-48' (the range of each request's new tokens)."""
     spread, top = settings.get("new_tokens_spread", 0.0), settings["max_new_tokens"]
-    return f"{max(1, math.ceil((1 - spread) * top))}-{top}" if spread else str(top)
+    return f"{shortest_request(top, spread)}-{top}" if spread else str(top)
 
 
 def cpu_model() -> str:
