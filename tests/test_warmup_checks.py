@@ -4,8 +4,10 @@ engine thread."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import types
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -79,9 +81,9 @@ class NullRunner:
         pass
 
 
-def test_engine_call_runs_on_the_engine_thread_and_raises_there_errors_here():
-    runner = NullRunner()
-    pool = PagePool(8)
+@contextlib.contextmanager
+def running_engine(runner: NullRunner, pool: PagePool) -> Iterator[Engine]:
+    """An engine over ``runner`` with its loop on a thread named engine-loop, stopped after."""
     engine = Engine(runner, Scheduler(pool, 4, 8),
                     EngineLimits(8, 64, 64, 8, common_pb2.DraftShape(), frozenset()), None, ())
     stop = threading.Event()
@@ -89,6 +91,15 @@ def test_engine_call_runs_on_the_engine_thread_and_raises_there_errors_here():
                               daemon=True)
     thread.start()
     try:
+        yield engine
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def test_engine_call_runs_on_the_engine_thread_and_raises_there_errors_here():
+    runner, pool = NullRunner(), PagePool(8)
+    with running_engine(runner, pool) as engine:
         assert engine.call(lambda: threading.current_thread().name) == "engine-loop"
         with pytest.raises(ZeroDivisionError):
             engine.call(lambda: 1 / 0)
@@ -96,24 +107,13 @@ def test_engine_call_runs_on_the_engine_thread_and_raises_there_errors_here():
         assert logits.tolist() == [float(i) for i in range(8)]
         assert runner.forwards[0][0] == [3, 1, 4, 1, 5]
         assert pool.num_free == 8  # the scratch pages went back
-    finally:
-        stop.set()
-        thread.join(5)
 
 
 @pytest.mark.parametrize("graphed", [False, True])
 def test_step_stats_say_whether_the_forward_replayed_a_graph(graphed):
     runner = NullRunner()
     runner.last_graphed = graphed  # what ModelRunner.forward records for its last call
-    engine = Engine(runner, Scheduler(PagePool(8), 4, 8),
-                    EngineLimits(8, 64, 64, 8, common_pb2.DraftShape(), frozenset()), None, ())
-    stop = threading.Event()
-    thread = threading.Thread(target=engine.run, args=(stop, print), daemon=True)
-    thread.start()
-    try:
+    with running_engine(runner, PagePool(8)) as engine:
         tokens, _ = engine.generate([3, 1, 4], 2, common_pb2.SPECULATION_MODE_OFF)
         assert len(tokens) == 2
         assert engine.last_stats.batch_size == 1 and engine.last_stats.graphed == graphed
-    finally:
-        stop.set()
-        thread.join(5)
