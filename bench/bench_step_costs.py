@@ -16,12 +16,19 @@ of that target's shape (one layer, draft vocabulary 32000), after a prompt of
   runs inside the search's graph, and the same calls are timed again with it
   run eagerly first (``draft_two_pass_ms``).
 
+With ``--batch N`` the target's calls are made for N sequences at once (the
+draft is then not timed), and ``--prompt-tokens P`` adds a mixed call: a
+fresh P-token prompt prefilled in the same pass as the N sequences' decode
+(with graphs: the prefill graph of the smallest bucket >= P, then the decode
+graph). Each call's ``*_graphed`` says whether it replayed graphs.
+
 Each figure is the median wall time of --iters calls after --warmup calls, the
 device synchronised after each. The issue's aims: verify <= 1.2 x decode,
 draft <= 0.25 x decode.
 
     python bench/bench_step_costs.py --out-json /tmp/costs.json           # H200
     python bench/bench_step_costs.py --shape builtin --device cpu --dtype float32 --iters 5
+    python bench/bench_step_costs.py --batch 32 --prompt-tokens 64 --context 256  # mixed steps
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from splitspec.attention import AttentionShape, SeqAttention, choose_backend, ma
 from splitspec.attention.cascade import prefix_attention_for
 from splitspec.attention.flashinfer_backend import FlashInferBackend
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
-from splitspec.cuda_graphs import StepGraphs
+from splitspec.cuda_graphs import PROMPT_BUCKETS, StepGraphs
 from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.config import Eagle3Config, LlamaConfig, read_hf_config
 from splitspec.model.eagle3 import Eagle3Head
@@ -118,11 +125,24 @@ def profiled(fn: Callable[[], object], calls: int, out: Path | None, name: str, 
     (out / f"{name}.txt").write_text("\n\n".join(tables))
 
 
+def capture_graphs(model: LlamaForCausalLM, cache: KVCache, shape: AttentionShape, pool: PagePool,
+                   args: argparse.Namespace) -> StepGraphs:
+    """The step graphs of --batch (decode and --tree-nodes verify) and, with --prompt-tokens,
+    the prefill graph of the smallest bucket that holds the prompt."""
+    scratch = pool.allocate(-(-(args.tree_nodes + 1) // PAGE))
+    graphs = StepGraphs(model, cache, shape, scratch, args.context + 64, args.device)
+    graphs.capture((args.batch,), (1, args.tree_nodes + 1), ((),))
+    if args.prompt_tokens:
+        graphs.capture_prompts((next(b for b in PROMPT_BUCKETS if b >= args.prompt_tokens),),
+                               ((),))
+    return graphs
+
+
 def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype) -> dict:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     model = random_module(model, dtype, args.device)
-    pages = 4 * -(-(args.context + 64) // PAGE)
+    pages = (args.batch + 3) * -(-(args.context + 64) // PAGE) + -(-args.prompt_tokens // PAGE)
     cache = KVCache(cfg.num_layers, pages, PAGE, cfg.num_kv_heads, cfg.head_dim, dtype, args.device)
     pool = PagePool(pages)
     shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, PAGE, dtype)
@@ -130,24 +150,35 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
     backend = make_backend(name, shape, args.device)
     runner = ModelRunner(model, cache, backend, args.device)
     graphs = None
+    batch, n, prompt_len = args.batch, args.context, args.prompt_tokens
     if isinstance(backend, FlashInferBackend):
         backend.compile_kernels(masked=True)
         if args.graphs:
-            scratch = pool.allocate(-(-(args.tree_nodes + 1) // PAGE))
-            graphs = StepGraphs(model, cache, shape, scratch, args.context + 64, args.device)
-            graphs.capture((1,), (1, args.tree_nodes + 1), ((),))
-    table = PageTable(PAGE)
-    table.reserve(pool, args.context + 1 + args.tree_nodes)
-    prompt = torch.randint(0, cfg.vocab_size, (args.context,))
-    runner.forward(ForwardBatch(prompt, torch.arange(args.context),
-                                [SeqAttention(table, args.context, args.context)], [args.context - 1]))
-    n = args.context
-    decode = ForwardBatch(torch.tensor([7]), torch.tensor([n]), [SeqAttention(table, n + 1, 1)], [0])
+            graphs = capture_graphs(model, cache, shape, pool, args)
+    tables = []
+    for _ in range(batch):
+        tables.append(PageTable(PAGE))
+        tables[-1].reserve(pool, n + 1 + args.tree_nodes)
+        prompt = torch.randint(0, cfg.vocab_size, (n,))
+        runner.forward(ForwardBatch(prompt, torch.arange(n), [SeqAttention(tables[-1], n, n)],
+                                    [n - 1]))
+    decode = ForwardBatch(torch.full((batch,), 7), torch.full((batch,), n),
+                          [SeqAttention(t, n + 1, 1) for t in tables], list(range(batch)))
     parents = TREE_PARENTS.get(args.tree_nodes) or [0] * args.tree_nodes
     nodes = len(parents)
-    verify = ForwardBatch(torch.randint(0, cfg.vocab_size, (nodes + 1,)), positions(parents, n),
-                          [SeqAttention(table, n + 1 + nodes, nodes + 1, tree=ancestor_mask(parents))],
-                          list(range(nodes + 1)))
+    verify = ForwardBatch(torch.randint(0, cfg.vocab_size, (batch * (nodes + 1),)),
+                          positions(parents, n).repeat(batch),
+                          [SeqAttention(t, n + 1 + nodes, nodes + 1, tree=ancestor_mask(parents))
+                           for t in tables], list(range(batch * (nodes + 1))))
+    calls = {"decode": decode, "verify": verify}
+    if prompt_len:  # a prompt arriving while the batch decodes: one pass for both
+        fresh = PageTable(PAGE)
+        fresh.reserve(pool, prompt_len)
+        calls["mixed"] = ForwardBatch(
+            torch.cat((torch.randint(0, cfg.vocab_size, (prompt_len,)), decode.ids)),
+            torch.cat((torch.arange(prompt_len), decode.positions)),
+            [SeqAttention(fresh, prompt_len, prompt_len), *decode.attn],
+            [prompt_len - 1, *range(prompt_len, prompt_len + batch)])
     params = sum(p.numel() for p in model.parameters())
     result = {"parameters": params, "backend": name, "graphs": graphs is not None,
               "floor_ms": 1000 * params * torch.empty((), dtype=dtype).element_size()
@@ -160,17 +191,15 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
     for suffix, runner.graphs in engines:
         if suffix == "_torch_ops":
             use_fused_kernels(model, False)
-            scratch = pool.allocate(-(-(args.tree_nodes + 1) // PAGE))
-            runner.graphs = StepGraphs(model, cache, shape, scratch, args.context + 64,
-                                       args.device)
-            runner.graphs.capture((1,), (1, args.tree_nodes + 1), ((),))
-        for key, batch in (("decode", decode), ("verify", verify)):
+            runner.graphs = capture_graphs(model, cache, shape, pool, args)
+        for key, call in calls.items():
             name_ms = f"{key}{suffix}_ms"
-            result[name_ms] = timed(lambda b=batch: runner.forward(b), args.warmup, args.iters,
+            result[name_ms] = timed(lambda c=call: runner.forward(c), args.warmup, args.iters,
                                     args.device)
-            print(f"target {key}{suffix}: median {statistics.median(result[name_ms]):.3f} ms",
-                  flush=True)
-            profiled(lambda b=batch: runner.forward(b), PROFILE_CALLS, args.profile, f"{key}{suffix}",
+            result[f"{key}{suffix}_graphed"] = runner.last_graphed
+            print(f"target {key}{suffix}: median {statistics.median(result[name_ms]):.3f} ms"
+                  f"{' (graphs)' if runner.last_graphed else ''}", flush=True)
+            profiled(lambda c=call: runner.forward(c), PROFILE_CALLS, args.profile, f"{key}{suffix}",
                      args.device)
     if graphs is not None:  # the device's share: the decode graph replayed alone
         graph = graphs.graphs[graphs.key_for(decode.attn, decode.logit_rows, ())].graph
@@ -244,6 +273,11 @@ def main() -> int:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--context", type=int, default=512, help="tokens before the timed steps")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per target call (the "
+                        "draft is timed at batch 1 only, so not at all when this is > 1)")
+    parser.add_argument("--prompt-tokens", type=int, default=0, help="also time a mixed call: "
+                        "a prompt of this many tokens prefilled in the same pass as the batch's "
+                        "decode (with graphs: a prefill graph, then the decode graph)")
     parser.add_argument("--tree-nodes", type=int, default=8)
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--depth", type=int, default=5)
@@ -263,19 +297,26 @@ def main() -> int:
     with torch.inference_mode():
         result = {"command": " ".join(sys.argv), "label": f"{args.shape} shape, RANDOM weights",
                   "device": torch.cuda.get_device_name() if args.device.startswith("cuda")
-                  else args.device, "context": args.context,
+                  else args.device, "context": args.context, "batch": args.batch,
+                  "prompt_tokens": args.prompt_tokens,
                   "tree": [args.tree_nodes, args.topk, args.depth],
                   "target": target_costs(target_cfg, args, dtype)}
         if args.device.startswith("cuda"):
             torch.cuda.empty_cache()
-        result["draft"] = draft_costs(Eagle3Config.from_hf(eagle_hf), target_cfg.num_layers, args,
-                                      dtype)
+        if args.batch == 1:
+            result["draft"] = draft_costs(Eagle3Config.from_hf(eagle_hf), target_cfg.num_layers,
+                                          args, dtype)
     decode = statistics.median(result["target"]["decode_ms"])
     result["summary"] = {
         "decode_ms": decode, "floor_ms": result["target"]["floor_ms"],
         "share_of_floor_speed": result["target"]["floor_ms"] / decode,
-        "verify_over_decode": statistics.median(result["target"]["verify_ms"]) / decode,
-        "draft_over_decode": statistics.median(result["draft"]["draft_ms"]) / decode}
+        "verify_over_decode": statistics.median(result["target"]["verify_ms"]) / decode}
+    if "draft" in result:
+        result["summary"]["draft_over_decode"] = statistics.median(
+            result["draft"]["draft_ms"]) / decode
+    for key in ("mixed", "mixed_eager", "verify_eager", "decode_eager"):
+        if f"{key}_ms" in result["target"]:
+            result["summary"][f"{key}_ms"] = statistics.median(result["target"][f"{key}_ms"])
     if "decode_torch_ops_ms" in result["target"]:
         result["summary"]["decode_torch_ops_over_decode"] = statistics.median(
             result["target"]["decode_torch_ops_ms"]) / decode

@@ -27,8 +27,11 @@ class TargetConfig:
                                     "bfloat16/float16 when it is installed, else torch",
                                     ("auto", "torch", "flashinfer"))
     cuda_graphs: bool = option(True, "capture CUDA graphs of decode and (with a draft) "
-                               "tree-verify steps for batch sizes up to --max-running (CUDA "
-                               "with the flashinfer backend, one rank)")
+                               "tree-verify steps for batch sizes up to --max-running, and of "
+                               "prefills up to --prefill-graph-tokens (CUDA with the "
+                               "flashinfer backend, one rank)")
+    prefill_graph_tokens: int = option(512, "prompt tokens of a step up to which its prefill "
+                                       "replays a CUDA graph (0: prompts always run eagerly)")
     max_running: int = option(32, "sequences decoded at once")
     max_context: int = option(1024, "prompt + generated tokens per sequence")
     page_size: int = option(16, "KV-cache page size in tokens")

@@ -49,12 +49,13 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits [len(logit_rows), V] float32, captured features [T, k * H] or None)."""
-        key = (self.graphs.key_for(batch.attn, batch.logit_rows, batch.capture)
-               if self.graphs is not None else None)
-        self.last_graphed = key is not None
-        if key is not None:
+        plan = (self.graphs.plan(batch.attn, batch.logit_rows, batch.capture)
+                if self.graphs is not None else None)
+        self.last_graphed = plan is not None
+        if plan is not None:
             with torch.inference_mode():
-                return self.graphs.run(key, batch.ids, batch.positions, batch.attn)
+                return self.graphs.run_plan(plan, batch.ids, batch.positions, batch.attn,
+                                            batch.logit_rows)
         meta = self.backend.plan(batch.attn, self.device)
         ctx = AttentionContext(self.backend, meta, self.cache)
         with torch.inference_mode():

@@ -32,7 +32,7 @@ from splitspec.attention import (
     choose_backend,
     make_backend,
 )
-from splitspec.cuda_graphs import StepGraphs, buckets_up_to
+from splitspec.cuda_graphs import PROMPT_BUCKETS, StepGraphs, buckets_up_to
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, InitFailed, InitReport, Startup, fail_startup
 from splitspec.kv_cache import KVCache, PagePool
@@ -189,8 +189,10 @@ def default_capture(num_layers: int) -> tuple[int, ...]:
 def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
                         shape: AttentionShape, num_layers: int) -> Detailed:
     """Step graphs for every batch-size bucket up to --max-running: plain decode and, with a
-    draft, verification of a tree of --num-draft-tokens nodes, each without captured
-    features and (with a draft) with the default EAGLE-3 ones; the runner replays them."""
+    draft, verification of a tree of --num-draft-tokens nodes; and prefill graphs of fresh
+    prompts for token counts up to --prefill-graph-tokens (at most --max-prefill-tokens);
+    each without captured features and (with a draft) with the default EAGLE-3 ones. The
+    runner replays them."""
     device = str(runner.device)
     if not device.startswith("cuda"):
         return Detailed(None, f"no-op on {device}")
@@ -208,11 +210,17 @@ def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
     variants = ((), default_capture(num_layers)) if cfg.draft else ((),)
     buckets = buckets_up_to(cfg.max_running)
     seconds = graphs.capture(buckets, q_lens, variants)
+    prompt_tokens = min(cfg.prefill_graph_tokens, cfg.max_prefill_tokens)
+    prompt_buckets = buckets_up_to(prompt_tokens, PROMPT_BUCKETS) if prompt_tokens > 0 else ()
+    if prompt_buckets:
+        seconds += graphs.capture_prompts(prompt_buckets, variants)
     runner.graphs = graphs
     what = (f"decode and {cfg.num_draft_tokens}-node verify, each without and with the default "
             "EAGLE-3 features" if cfg.draft else "decode")
+    prefills = (f"; {len(graphs.prompt_graphs)} prefill graphs for prompt tokens "
+                f"{', '.join(map(str, prompt_buckets))}" if prompt_buckets else "; prefill eager")
     return Detailed(graphs, f"{len(graphs.graphs)} graphs ({what}) for batch sizes "
-                    f"{', '.join(map(str, buckets))} in {seconds:.1f}s")
+                    f"{', '.join(map(str, buckets))}{prefills}, in {seconds:.1f}s")
 
 
 def connect_draft(cfg: TargetConfig, spec: ModelSpec) -> Detailed:

@@ -165,3 +165,44 @@ def run_tree(device: str) -> None:
     check_tree(device, torch.float32, 3, 4, 4, 3, 8, 2, 32, 0.6931471805599453)  # base-2 lse
     check_tree(device, torch.bfloat16, 2, 4, 4, 4, 32, 8, 128, 0.6931471805599453)  # 8B head
     check_tree(device, torch.float16, 5, 3, 5, 4, 4, 4, 64, 1.0)      # 12 keys: not a power of 2
+
+
+def check_prompts(device: str, dtype: torch.dtype, lengths: list[int], rows: int, heads: int,
+                  kv_heads: int, dim: int) -> None:
+    """splitspec.kernels.prompt_attention against prompt_attention_reference: prompts of these
+    lengths packed into rows rows (the rest padding); k and v are views of one [T, 2, H_kv, D]
+    block, as a fused projection leaves them, so their row strides are not their widths."""
+    from splitspec.attention.prompts import prompt_attention_reference, prompt_starts
+    from splitspec.kernels.prompt_attention import prompt_attention
+
+    gen = torch.Generator().manual_seed(sum(lengths) * 13 + rows + dim)
+    q = torch.randn(rows, heads, dim, generator=gen).to(dtype).to(device)
+    kv = torch.randn(rows, 2, kv_heads, dim, generator=gen).to(dtype).to(device)
+    k, v = kv.unbind(1)
+    starts = torch.tensor(prompt_starts(lengths, rows), dtype=torch.int64, device=device)
+    got = prompt_attention(q, k, v, starts)
+    want = prompt_attention_reference(q, k, v, starts)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    what = f"prompt_attention {dtype} {lengths} in {rows} rows"
+    if dtype == torch.float32:
+        close(got, want, what)
+    else:  # the kernel rounds the softmax weights to the values' dtype for the tensor-core
+        # dot (relative error eps / 2 each, so at most eps / 2 of the largest value), and
+        # both round the output once
+        eps = torch.finfo(dtype).eps
+        bound = 2 * eps * want.float().abs() + eps / 2 * v.float().abs().max() + 1e-3
+        diff = (got.float() - want.float()).abs()
+        assert bool((diff <= bound).all()), f"{what}: max diff {diff.max():.3g}"
+    # A row's output depends on its own prompt alone: the first prompt by itself agrees.
+    n = lengths[0]
+    alone = prompt_attention(q[:n].contiguous(), k[:n].contiguous(), v[:n].contiguous(),
+                             starts[:n].contiguous())
+    close(alone, got[:n], f"prompt_attention {dtype}: the first prompt alone")
+
+
+def run_prompts(device: str) -> None:
+    check_prompts(device, torch.float32, [5], 5, 2, 1, 16)                 # one short prompt
+    check_prompts(device, torch.float32, [70, 3, 40], 128, 4, 2, 32)       # blocks span prompts
+    check_prompts(device, torch.float32, [1, 1, 30], 64, 2, 2, 64)         # one-token prompts
+    check_prompts(device, torch.bfloat16, [70, 40, 10], 128, 32, 8, 128)  # 8B heads, padding
+    check_prompts(device, torch.float16, [33], 48, 6, 3, 48)               # D not a power of 2

@@ -248,6 +248,105 @@ def test_graphs_refuse_what_they_did_not_capture():
     assert graphs.key_for([spelled], list(range(9)), ()) is None                  # full mask
 
 
+def test_prefill_graphs_and_mixed_steps_match_eager_steps():
+    """ModelRunner with prefill and decode graphs against one without: prompts alone (a
+    prefill graph), prompts arriving while others decode (a mixed step: the prefill graph,
+    then the decode graph), decoding, and what stays eager (prompts over the largest
+    prefill bucket; a prompt continuing a cached prefix). The graphs' prompts attend through
+    the Triton kernel, the eager ones through flashinfer's prefill: logits within bf16
+    noise, the same argmax but for near-ties; captured features too."""
+    from target_service.runner import ForwardBatch, ModelRunner
+
+    model = load_llama(BUILTIN_TARGET, torch.bfloat16, "cuda")
+    cfg = model.config
+    shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, PAGE, torch.bfloat16)
+    backend = FlashInferBackend(shape, "cuda")
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
+               for n in (20, 5, 30, 70, 3)]
+    runs, graphed_steps = {}, []
+    for graphed in (False, True):
+        cache = KVCache(cfg.num_layers, 64, PAGE, cfg.num_kv_heads, cfg.head_dim,
+                        torch.bfloat16, "cuda")
+        pool = PagePool(64)
+        runner = ModelRunner(model, cache, backend, "cuda")
+        if graphed:
+            runner.graphs = StepGraphs(model, cache, shape, pool.allocate(1), 128, "cuda")
+            runner.graphs.capture((1, 2, 4), (1,), ((), (2, 3)))
+            runner.graphs.capture_prompts((32, 64), ((), (2, 3)))
+        tables = [PageTable(PAGE) for _ in prompts]
+        for table, prompt in zip(tables, prompts, strict=True):
+            table.reserve(pool, len(prompt) + 8)
+        lengths = [0] * len(prompts)
+        last = [0] * len(prompts)
+        seen, flags = [], []
+
+        def step(new: list[int], decoding: list[int], runner=runner, tables=tables,
+                 lengths=lengths, last=last, seen=seen, flags=flags) -> None:
+            ids, pos, attn, rows = [], [], [], []
+            for i in new:
+                ids += prompts[i]
+                pos += range(len(prompts[i]))
+                attn.append(SeqAttention(tables[i], len(prompts[i]), len(prompts[i])))
+                rows.append(len(ids) - 1)
+            for i in decoding:
+                ids.append(last[i])
+                pos.append(lengths[i])
+                attn.append(SeqAttention(tables[i], lengths[i] + 1, 1))
+                rows.append(len(ids) - 1)
+            logits, aux = runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), attn,
+                                                      rows, (2, 3)))
+            assert aux is not None and aux.shape[0] == len(ids)
+            seen.append((logits.float(), aux.float()))
+            flags.append(runner.last_graphed)
+            for i in new:
+                lengths[i] = len(prompts[i])
+            for i in decoding:
+                lengths[i] += 1
+            for i in [*new, *decoding]:  # fixed inputs, not the runs' choices
+                last[i] = (7 * lengths[i] + 3 * i) % cfg.vocab_size
+
+        step([0, 1], [])        # prompts alone: 25 tokens, bucket 32
+        step([2], [0, 1])       # mixed: 30 tokens, bucket 32, then decode bucket 2
+        step([], [0, 1, 2])     # decode, bucket 4
+        step([3], [0, 1, 2])    # 70 prompt tokens: over the largest bucket, eager
+        step([4], [0, 1, 2, 3])  # mixed again: 3 tokens, bucket 32, then decode bucket 4
+        runs[graphed] = seen
+        graphed_steps.append(flags)
+    assert graphed_steps == [[False] * 5, [True, True, True, False, True]]
+    same = []
+    for (logits_e, aux_e), (logits_g, aux_g) in zip(runs[False], runs[True], strict=True):
+        error = ((logits_g - logits_e).abs().max() / logits_e.abs().max()).item()
+        assert error < 3e-2, error
+        assert ((aux_g - aux_e).abs().max() / aux_e.abs().max()).item() < 3e-2
+        same += (logits_g.argmax(-1) == logits_e.argmax(-1)).tolist()
+    print(f"identical argmax {sum(same)}/{len(same)}")
+    assert sum(same) >= 0.85 * len(same)
+
+
+def test_prefill_graph_plans_refuse_what_they_cannot_replay():
+    model = load_llama(BUILTIN_TARGET, torch.bfloat16, "cuda")
+    cfg = model.config
+    shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, PAGE, torch.bfloat16)
+    cache = KVCache(cfg.num_layers, 64, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
+                    "cuda")
+    pool = PagePool(64)
+    graphs = StepGraphs(model, cache, shape, pool.allocate(1), 128, "cuda")
+    graphs.capture((1, 2), (1,), ((),))
+    graphs.capture_prompts((32,), ((),))
+    table = PageTable(PAGE)
+    table.reserve(pool, 60)
+    prompt, decode = SeqAttention(table, 20, 20), SeqAttention(table, 20, 1)
+    assert graphs.plan([prompt], [19], ()) == (1, 20, (32, ()), None)
+    assert graphs.plan([prompt, decode], [19, 20], ()) == (1, 20, (32, ()), (1, 1, ()))
+    assert graphs.plan([decode], [0], ()) == (0, 0, None, (1, 1, ()))
+    assert graphs.plan([SeqAttention(table, 40, 40)], [39], ()) is None      # over 32 tokens
+    assert graphs.plan([SeqAttention(table, 30, 10)], [9], ()) is None       # has a prefix
+    assert graphs.plan([prompt, decode], [20, 19], ()) is None               # rows reordered
+    assert graphs.plan([prompt], [19], (2, 3)) is None                       # features
+    assert graphs.plan([prompt, decode, decode, decode], [19, 20, 21, 22], ()) is None  # > bucket
+
+
 def serve(tmp_path: Path, args: list[str], env: dict[str, str] | None = None
           ) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,

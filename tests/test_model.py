@@ -6,6 +6,7 @@ from transformers import LlamaForCausalLM as HFLlama
 
 from splitspec.attention import SeqAttention, TorchAttentionBackend
 from splitspec.attention.cascade import TorchPrefix, TreeVerifyAttention, TreeVerifyMetadata
+from splitspec.attention.prompts import PromptAttention, prompt_starts
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.config import Eagle3Config, LlamaConfig, RopeConfig
@@ -68,6 +69,55 @@ def test_paged_decode_matches_prefill(models):
     for i in range(12, 20):
         step, _ = runner.run([ids[i]], torch.tensor([i]), i + 1)
         torch.testing.assert_close(step[0], full[i], atol=1e-4, rtol=1e-4)
+
+
+def test_packed_prompts_match_transformers_prompt_by_prompt(models):
+    """The prefill graphs' pass (splitspec/attention/prompts.py): prompts packed in one pass,
+    each row attending to its own prompt's rows only, give every row the logits transformers
+    gives that prompt alone; their K/V land in each sequence's own slots, so a decode step
+    over the cache (the torch backend) agrees with transformers too."""
+    ours, theirs = models
+    cfg = ours.config
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (9, 1, 17)]
+    cache = KVCache(cfg.num_layers, 32, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+    pool = PagePool(32)
+    pool.allocate(3)
+    tables = []
+    for prompt in prompts:
+        tables.append(PageTable(4))
+        tables[-1].reserve(pool, len(prompt) + 1)
+    backend = PromptAttention()
+    seqs = [SeqAttention(t, len(p), len(p)) for t, p in zip(tables, prompts, strict=True)]
+    with torch.inference_mode():
+        out = ours(torch.cat(prompts), torch.cat([torch.arange(len(p)) for p in prompts]),
+                   AttentionContext(backend, backend.plan(seqs, "cpu"), cache))
+        logits = ours.compute_logits(out.hidden)
+        rows = 0
+        for prompt in prompts:
+            want = theirs(prompt[None]).logits[0]
+            torch.testing.assert_close(logits[rows: rows + len(prompt)], want, atol=1e-4,
+                                       rtol=1e-4)
+            rows += len(prompt)
+        ends = [int(logits[i].argmax()) for i in (8, 9, 26)]
+        torch_backend = TorchAttentionBackend()
+        steps = [SeqAttention(t, len(p) + 1, 1) for t, p in zip(tables, prompts, strict=True)]
+        out = ours(torch.tensor(ends), torch.tensor([len(p) for p in prompts]),
+                   AttentionContext(torch_backend, torch_backend.plan(steps, "cpu"), cache))
+        step = ours.compute_logits(out.hidden)
+        for i, prompt in enumerate(prompts):
+            want = theirs(torch.cat((prompt, torch.tensor([ends[i]])))[None]).logits[0, -1]
+            torch.testing.assert_close(step[i], want, atol=1e-4, rtol=1e-4)
+
+
+def test_prompt_attention_plans_fresh_prompts_only():
+    table = PageTable(4)
+    table.reserve(PagePool(4), 10)
+    with pytest.raises(ValueError, match="fresh prompts only"):
+        PromptAttention().plan([SeqAttention(table, 10, 3)], "cpu")  # continues a prefix
+    assert prompt_starts([3, 1, 2], 8) == [0, 0, 0, 3, 4, 4, 6, 7]
+    with pytest.raises(ValueError, match="do not fit"):
+        prompt_starts([5, 4], 8)
 
 
 @pytest.mark.parametrize("form", ["mask", "tree", "cascade"])
