@@ -19,8 +19,8 @@ of that target's shape (one layer, draft vocabulary 32000), after a prompt of
 With ``--batch N`` the target's calls are made for N sequences at once (the
 draft is then not timed), and ``--prompt-tokens P`` adds a mixed call: a
 fresh P-token prompt prefilled in the same pass as the N sequences' decode
-(with graphs: the prefill graph of the smallest bucket >= P, then the decode
-graph). Each call's ``*_graphed`` says whether it replayed graphs.
+(with graphs: one graph of the smallest prompt bucket >= P followed by the
+decode rows). Each call's ``*_graphed`` says whether it replayed graphs.
 
 Each figure is the median wall time of --iters calls after --warmup calls, the
 device synchronised after each. The issue's aims: verify <= 1.2 x decode,
@@ -128,13 +128,11 @@ def profiled(fn: Callable[[], object], calls: int, out: Path | None, name: str, 
 def capture_graphs(model: LlamaForCausalLM, cache: KVCache, shape: AttentionShape, pool: PagePool,
                    args: argparse.Namespace) -> StepGraphs:
     """The step graphs of --batch (decode and --tree-nodes verify) and, with --prompt-tokens,
-    the prefill graph of the smallest bucket that holds the prompt."""
+    the smallest prompt bucket that holds the prompt (alone, and before each step)."""
     scratch = pool.allocate(-(-(args.tree_nodes + 1) // PAGE))
     graphs = StepGraphs(model, cache, shape, scratch, args.context + 64, args.device)
-    graphs.capture((args.batch,), (1, args.tree_nodes + 1), ((),))
-    if args.prompt_tokens:
-        graphs.capture_prompts((next(b for b in PROMPT_BUCKETS if b >= args.prompt_tokens),),
-                               ((),))
+    prompts = (next(b for b in PROMPT_BUCKETS if b >= args.prompt_tokens),) if args.prompt_tokens else ()
+    graphs.capture((args.batch,), (1, args.tree_nodes + 1), ((),), prompts)
     return graphs
 
 
@@ -277,7 +275,7 @@ def main() -> int:
                         "draft is timed at batch 1 only, so not at all when this is > 1)")
     parser.add_argument("--prompt-tokens", type=int, default=0, help="also time a mixed call: "
                         "a prompt of this many tokens prefilled in the same pass as the batch's "
-                        "decode (with graphs: a prefill graph, then the decode graph)")
+                        "decode (with graphs: one graph, the prompt bucket's rows, then the decode rows)")
     parser.add_argument("--tree-nodes", type=int, default=8)
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--depth", type=int, default=5)

@@ -1,4 +1,5 @@
-"""CUDA graphs of the target's decode and verify steps, one per batch-size bucket.
+"""CUDA graphs of the target's steps: decode and verify per batch-size bucket, and with
+arriving prompts prefilled in the same pass.
 
 A step in which every sequence brings the same number q of tokens and wants
 the logits of all of them is the same sequence of kernels at every step of a
@@ -9,27 +10,30 @@ init step and replayed. A batch of n sequences runs the graph of the smallest
 bucket >= n; the rows beyond n are padding: token 0 on scratch pages no
 sequence owns, attending to those pages alone.
 
-Fresh prompts (nothing cached before them) have graphs of their own, one per
-padded token count: the prompts are packed one after another and attend to
-their own rows only (splitspec/attention/prompts.py), so the kernels depend on
-the padded count alone; padding rows are one-token prompts writing to a
-scratch slot, and the logits are taken of the rows asked for only. A step
-that prefills arriving prompts while the running sequences decode or verify
-(a mixed step: most steps, once requests arrive one by one) replays the
-prompts' graph and then the step's (:meth:`StepGraphs.plan`). Trees of other
-sizes, prompts over the largest count, prompts that continue a cached prefix
-and batches larger than the largest bucket run eagerly.
+Fresh prompts (nothing cached before them) are captured too, per padded token
+count: packed one after another, each row attends to its own prompt's rows
+only (splitspec/attention/prompts.py), so the kernels depend on the padded
+count alone; padding rows are one-token prompts writing to a scratch slot,
+and logits are taken of the rows asked for only. Once requests arrive one by
+one, most steps prefill a prompt or two while the running sequences decode or
+verify, so those mixed steps have graphs of their own: the prompt rows first,
+then the step's, one pass that reads the weights once (each part attends in
+its own way, :class:`splitspec.attention.base.SplitAttention`). Trees of
+other sizes, prompts over the largest count, prompts that continue a cached
+prefix and batches larger than the largest bucket run eagerly.
 
 Before each replay only host work happens outside the graph: the inputs (ids,
-positions and KV write slots, padded) are written to a pinned host buffer and
-copied into the graph's static buffer in one copy, and its flashinfer decode wrapper
-(built in CUDA-graph mode with buffers of its own) is planned for the real
-pages. For q = 1 that wrapper is the whole attention. A verify graph attends
-in two parts (splitspec/attention/cascade.py): the wrapper runs q rows per
-sequence over its committed slots, and the tree's own K/V, dense, go through
-the [q, q] tree tables copied into a static buffer; no [q, kv_len] mask is
-built. The outputs are the graph's static buffers, cloned before they are
-returned.
+positions, KV write slots, the prompts' starts and logit rows, padded) are
+written to a pinned host buffer and copied into the graph's static buffer in
+one copy, and its flashinfer decode wrapper (built in CUDA-graph mode with
+buffers of its own) is planned for the real pages. For q = 1 that wrapper is
+the whole attention. A verify graph attends in two parts
+(splitspec/attention/cascade.py): the wrapper runs q rows per sequence over
+its committed slots, and the tree's own K/V, dense, go through the [q, q]
+tree tables copied into a static buffer; no [q, kv_len] mask is built. Every
+graph leaves its logits in one buffer all graphs share (replays are one at a
+time, and what a replay returns is copied out before the next), so the
+graphs cost no more logits memory than the largest of them.
 """
 
 from __future__ import annotations
@@ -41,7 +45,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from splitspec.attention.base import SeqAttention
+from splitspec.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    SeqAttention,
+    SplitAttention,
+    SplitMetadata,
+)
 from splitspec.attention.cascade import FlashInferPrefix, TreeVerifyAttention, TreeVerifyMetadata
 from splitspec.attention.flashinfer_backend import (
     WORKSPACE_BYTES,
@@ -63,8 +73,8 @@ from splitspec.model.layers import AttentionContext
 from splitspec.model.llama import LlamaForCausalLM
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-PROMPT_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # prompt tokens of a prefill graph
-MAX_PROMPT_LOGITS = 64  # logit rows a prefill graph returns (one per prompt: prompts per step)
+PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)  # padded prompt tokens of a graph
+MAX_PROMPT_LOGITS = 64  # logit rows of a graph's prompts (one per prompt: prompts per step)
 
 
 def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) -> tuple[int, ...]:
@@ -74,42 +84,38 @@ def buckets_up_to(max_batch: int, buckets: tuple[int, ...] = DEFAULT_BUCKETS) ->
 
 
 class GraphKey(NamedTuple):
-    size: int                  # the bucket: padded batch size
+    size: int                  # the step's bucket: padded batch size (0: prompts only)
     q_len: int                 # tokens per sequence: 1 = decode, nodes + 1 = a tree
     capture: tuple[int, ...]   # captured layer inputs (features for the draft)
-
-
-class PromptKey(NamedTuple):
-    tokens: int                # the bucket: padded prompt tokens
-    capture: tuple[int, ...]
+    tokens: int = 0            # the prompts' bucket: padded prompt rows, first (0: none)
 
 
 class StepPlan(NamedTuple):
-    """How a pass runs as graphs: its first ``prompts`` sequences (fresh prompts, ``tokens``
-    rows) through ``prefill``, the others through ``step``; either may be None (no such
-    sequences)."""
+    """A pass as one graph: its first ``prompts`` sequences are fresh prompts of ``tokens``
+    rows, the rest decode or verify."""
 
+    key: GraphKey
     prompts: int
     tokens: int
-    prefill: PromptKey | None
-    step: GraphKey | None
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    wrapper: Any                 # decode wrapper (q = 1) or FlashInferPrefix (verify), in
-                                 # CUDA-graph mode, planned before replay
-    inputs: torch.Tensor         # [3, W] int64 static inputs: ids, positions, write slots in
-                                 # the first b * q of each row (W: b * q rounded up to 16);
-                                 # a prefill graph's [5, W] adds each row's prompt start
-                                 # and the rows whose logits it computes
-    staging: Any                 # numpy view of a pinned [3, W] host twin of inputs
+    wrapper: Any                 # the step part's decode wrapper (q = 1) or FlashInferPrefix
+                                 # (verify), in CUDA-graph mode, planned before replay; None
+                                 # without a step part
+    inputs: torch.Tensor         # [5, W] int64 static inputs, the prompt rows then the step's:
+                                 # ids, positions, write slots, each prompt row's first row
+                                 # (prompt rows only), and the rows whose logits are taken
+                                 # (the prompts' MAX_PROMPT_LOGITS, then every step row's)
+    staging: Any                 # numpy view of a pinned [5, W] host twin of inputs
     staged: torch.Tensor         # the pinned twin itself
     copied: torch.cuda.Event     # recorded after the last copy out of staging
     trees: torch.Tensor | None   # [b, q, q] static input of a verify graph
-    logits: torch.Tensor         # [b * q, V] static outputs (prefill: [MAX_PROMPT_LOGITS, V])
-    aux: torch.Tensor | None     # [b * q, k * H]
+    logits: torch.Tensor         # [P + b * q, V] static outputs, in the shared buffer (P:
+                                 # MAX_PROMPT_LOGITS with prompts, else 0)
+    aux: torch.Tensor | None     # [tokens + b * q, k * H]
 
 
 class StepGraphs:
@@ -125,103 +131,67 @@ class StepGraphs:
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[GraphKey, _Graph] = {}
-        self.prompt_graphs: dict[PromptKey, _Graph] = {}
         self.buckets: tuple[int, ...] = ()
         self.prompt_buckets: tuple[int, ...] = ()
+        self.logits_out: torch.Tensor | None = None  # the logits buffer every graph shares
 
     def capture(self, buckets: tuple[int, ...], q_lens: tuple[int, ...],
-                variants: tuple[tuple[int, ...], ...]) -> float:
-        """Capture every bucket (largest first, so the smaller reuse its memory) for every
-        q (1 = decode; n + 1 = a tree of n nodes) and capture variant (the layer inputs a
-        draft may ask for); returns the seconds taken."""
+                variants: tuple[tuple[int, ...], ...], prompt_buckets: tuple[int, ...] = ()
+                ) -> float:
+        """Capture, for every capture variant (the layer inputs a draft may ask for): every
+        bucket for every q (1 = decode; n + 1 = a tree of n nodes); with ``prompt_buckets``
+        (padded prompt tokens) also the prompts alone and every (bucket, q) after them (mixed
+        steps). Largest first, so the smaller reuse its memory; returns the seconds taken."""
+        if self.graphs:
+            raise RuntimeError("StepGraphs.capture runs once (the graphs share their outputs)")
         room = len(self.scratch_pages) * self.shape.page_size
         if max(q_lens) + 1 > room:
             raise ValueError(f"q={max(q_lens)} needs more than the {room} scratch slots")
+        keys = [GraphKey(size, q_len, capture, tokens) for capture in variants for q_len in q_lens
+                for size in buckets for tokens in (0, *prompt_buckets)]
+        keys += [GraphKey(0, 0, capture, tokens) for capture in variants for tokens in prompt_buckets]
         started = time.perf_counter()
-        for capture in variants:
-            for q_len in q_lens:
-                for size in sorted(buckets, reverse=True):
-                    key = GraphKey(size, q_len, capture)
-                    self.graphs[key] = self._capture(size, q_len, capture)
-        self.buckets = tuple(sorted(buckets))
-        torch.cuda.synchronize(self.device)
-        return time.perf_counter() - started
-
-    def capture_prompts(self, buckets: tuple[int, ...], variants: tuple[tuple[int, ...], ...]
-                        ) -> float:
-        """Capture a prefill graph of fresh prompts for every padded token count and capture
-        variant (largest first); returns the seconds taken."""
-        started = time.perf_counter()
-        for capture in variants:
-            for tokens in sorted(buckets, reverse=True):
-                self.prompt_graphs[PromptKey(tokens, capture)] = self._capture_prompts(tokens,
-                                                                                      capture)
-        self.prompt_buckets = tuple(sorted(buckets))
+        self.logits_out = torch.empty(max(map(_logit_rows, keys)), self.model.config.vocab_size,
+                                      dtype=torch.float32, device=self.device)
+        for key in sorted(keys, key=lambda k: k.tokens + k.size * k.q_len, reverse=True):
+            self.graphs[key] = self._capture(key)
+        self.buckets, self.prompt_buckets = tuple(sorted(buckets)), tuple(sorted(prompt_buckets))
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - started
 
     def plan(self, seqs: list[SeqAttention], logit_rows: list[int], capture: tuple[int, ...]
              ) -> StepPlan | None:
-        """How this pass runs as graphs (its leading fresh prompts, then the rest), or None
-        (eager)."""
+        """The graph that runs this pass (its leading fresh prompts, then decode or verify
+        rows), or None (eager)."""
         count = next((i for i, seq in enumerate(seqs) if not is_fresh_prompt(seq)), len(seqs))
         tokens = sum(seq.q_len for seq in seqs[:count])
-        prefill = step = None
+        size = q_len = bucket = 0
+        if count < len(seqs):
+            shaped = self._step_shape(seqs[count:], [row - tokens for row in logit_rows
+                                                     if row >= tokens])
+            if shaped is None:
+                return None
+            size, q_len = shaped
         if count:
             wanted = [row for row in logit_rows if row < tokens]
             if len(wanted) > MAX_PROMPT_LOGITS or logit_rows[:len(wanted)] != wanted:
                 return None  # too many prompt logits, or not all before the step's
-            size = next((b for b in self.prompt_buckets if b >= tokens), None)
-            prefill = None if size is None else PromptKey(size, capture)
-            if prefill not in self.prompt_graphs:
+            bucket = next((b for b in self.prompt_buckets if b >= tokens), 0)
+            if not bucket:
                 return None
-        if count < len(seqs):
-            rest = [row - tokens for row in logit_rows if row >= tokens]
-            step = self.key_for(seqs[count:], rest, capture)
-            if step is None:
-                return None
-        return StepPlan(count, tokens, prefill, step)
-
-    def run_plan(self, plan: StepPlan, ids: torch.Tensor, positions: torch.Tensor,
-                 seqs: list[SeqAttention], logit_rows: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay a plan's graphs: (logits [len(logit_rows), V], aux [T, k * H] or None)."""
-        parts = []
-        if plan.prefill is not None:
-            wanted = [row for row in logit_rows if row < plan.tokens]
-            parts.append(self.run_prompts(plan.prefill, ids[:plan.tokens],
-                                          positions[:plan.tokens], seqs[:plan.prompts], wanted))
-        if plan.step is not None:
-            parts.append(self.run(plan.step, ids[plan.tokens:], positions[plan.tokens:],
-                                  seqs[plan.prompts:]))
-        if len(parts) == 1:
-            return parts[0]
-        (logits_p, aux_p), (logits_s, aux_s) = parts
-        aux = None if aux_p is None else torch.cat((aux_p, aux_s))
-        return torch.cat((logits_p, logits_s)), aux
-
-    def run_prompts(self, key: PromptKey, ids: torch.Tensor, positions: torch.Tensor,
-                    seqs: list[SeqAttention], logit_rows: list[int]
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay a prefill graph for these fresh prompts: (logits of logit_rows, aux
-        [T, k * H] or None)."""
-        g = self.prompt_graphs[key]
-        rows, size = len(ids), key.tokens
-        g.copied.synchronize()  # the last replay's inputs have left the pinned buffer
-        staging = g.staging
-        staging[0, :rows] = ids.cpu().numpy()
-        staging[1, :rows] = positions.cpu().numpy()
-        staging[:2, rows:size] = 0  # padding rows: token 0 at position 0, one-row prompts
-        staging[2, :rows] = prompt_slots(seqs).numpy()
-        staging[2, rows:size] = self.scratch_pages[0] * self.shape.page_size
-        staging[3, :size] = prompt_starts([seq.q_len for seq in seqs], size)
-        staging[4, :len(logit_rows)] = logit_rows
-        staging[4, len(logit_rows):MAX_PROMPT_LOGITS] = 0
-        return self._replay(g, len(logit_rows), rows)
+        key = GraphKey(size, q_len, capture, bucket)
+        return StepPlan(key, count, tokens) if key in self.graphs else None
 
     def key_for(self, seqs: list[SeqAttention], logit_rows: list[int],
                 capture: tuple[int, ...]) -> GraphKey | None:
-        """The graph that runs this pass, or None (eager)."""
+        """The graph of a pass without prompts, or None (eager)."""
+        shaped = self._step_shape(seqs, logit_rows)
+        key = None if shaped is None else GraphKey(*shaped, capture)
+        return key if key in self.graphs else None
+
+    def _step_shape(self, seqs: list[SeqAttention], logit_rows: list[int]
+                    ) -> tuple[int, int] | None:
+        """(bucket, q) of decoding or verifying sequences that a graph can run, or None."""
         if not seqs or not self.buckets or len(seqs) > self.buckets[-1]:
             return None
         q_len = seqs[0].q_len
@@ -233,39 +203,57 @@ class StepGraphs:
             return None
         if logit_rows != list(range(q_len * len(seqs))):
             return None
-        size = next(b for b in self.buckets if b >= len(seqs))
-        key = GraphKey(size, q_len, capture)
-        return key if key in self.graphs else None
+        return next(b for b in self.buckets if b >= len(seqs)), q_len
 
     def run(self, key: GraphKey, ids: torch.Tensor, positions: torch.Tensor,
             seqs: list[SeqAttention]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay a graph for these sequences: (logits [n * q, V], aux [n * q, k * H] or None).
-        ``ids`` and ``positions`` ([n * q]) are best on the host: they go to the device in
-        one copy with the write slots (one copy instead of seven small ones)."""
-        size, q_len, _ = key
-        g = self.graphs[key]
-        rows = len(seqs) * q_len
-        padded = [*seqs, *self._padding(size - len(seqs), q_len)]
-        layout = PagedLayout.of(padded, self.shape.page_size)
-        self._plan(g.wrapper, layout, padded, q_len)
-        if g.trees is not None:
-            g.trees.copy_(torch.stack([seq.tree for seq in padded]), non_blocking=True)
-        g.copied.synchronize()  # the last replay's inputs have left the pinned buffer
-        g.staging[0, :rows] = ids.cpu().numpy()
-        g.staging[1, :rows] = positions.cpu().numpy()
-        g.staging[:2, rows:] = 0  # padding rows: token 0 at position 0
-        g.staging[2, :size * q_len] = layout.write_slots.numpy()
-        return self._replay(g, rows, rows)
+        """Replay the graph of a pass without prompts (:meth:`key_for`)."""
+        return self.run_plan(StepPlan(key, 0, 0), ids, positions, seqs,
+                             list(range(len(seqs) * key.q_len)))
 
-    @staticmethod
-    def _replay(g: _Graph, logit_rows: int, aux_rows: int
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Copy the staged inputs in, replay, and clone the outputs asked for."""
+    def run_plan(self, plan: StepPlan, ids: torch.Tensor, positions: torch.Tensor,
+                 seqs: list[SeqAttention], logit_rows: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replay a plan's graph: (logits [len(logit_rows), V], aux [T, k * H] or None).
+        ``ids`` and ``positions`` ([T]) are best on the host: they go to the device in one
+        copy with the rest of the inputs."""
+        key, count, tokens = plan
+        g = self.graphs[key]
+        prompts, steps = seqs[:count], seqs[count:]
+        step_rows = len(steps) * key.q_len
+        if key.size:
+            padded = [*steps, *self._padding(key.size - len(steps), key.q_len)]
+            layout = PagedLayout.of(padded, self.shape.page_size)
+            self._plan(g.wrapper, layout, padded, key.q_len)
+            if g.trees is not None:
+                g.trees.copy_(torch.stack([seq.tree for seq in padded]), non_blocking=True)
+        wanted = [row for row in logit_rows if row < tokens]
+        ids_np, positions_np = ids.cpu().numpy(), positions.cpu().numpy()
+        g.copied.synchronize()  # the last replay's inputs have left the pinned buffer
+        staging = g.staging
+        if key.tokens:  # padding rows: token 0 at position 0, one-row prompts on a scratch slot
+            end = key.tokens
+            staging[0, :tokens], staging[1, :tokens] = ids_np[:tokens], positions_np[:tokens]
+            staging[:2, tokens:end] = 0
+            staging[2, :tokens] = prompt_slots(prompts).numpy()
+            staging[2, tokens:end] = self.scratch_pages[0] * self.shape.page_size
+            staging[3, :end] = prompt_starts([seq.q_len for seq in prompts], end)
+            staging[4, :len(wanted)] = wanted
+            staging[4, len(wanted):MAX_PROMPT_LOGITS] = 0
+        if key.size:  # padding rows: token 0 at position 0 on the scratch pages
+            start, end = key.tokens, key.tokens + key.size * key.q_len
+            staging[0, start:start + step_rows] = ids_np[tokens:]
+            staging[1, start:start + step_rows] = positions_np[tokens:]
+            staging[:2, start + step_rows:end] = 0
+            staging[2, start:end] = layout.write_slots.numpy()
         g.inputs.copy_(g.staged, non_blocking=True)
         g.copied.record()
         g.graph.replay()
-        return (g.logits[:logit_rows].clone(),
-                None if g.aux is None else g.aux[:aux_rows].clone())
+        first = MAX_PROMPT_LOGITS if key.tokens else 0  # the step rows' first logit row
+        logits = torch.cat((g.logits[:len(wanted)], g.logits[first:first + step_rows]))
+        aux = None if g.aux is None else torch.cat((g.aux[:tokens],
+                                                    g.aux[key.tokens:key.tokens + step_rows]))
+        return logits, aux
 
     def _padding(self, count: int, q_len: int) -> list[SeqAttention]:
         """Padding rows on the scratch pages: a verify row's committed part is one slot."""
@@ -302,58 +290,54 @@ class StepGraphs:
             paged_kv_indices_buffer=int32(size * pages_per_seq),
             paged_kv_last_page_len_buffer=int32(size))
 
-    def _capture(self, size: int, q_len: int, capture: tuple[int, ...]) -> _Graph:
-        device = self.device
-        wrapper = self._wrapper(size, q_len)
-        padded = self._padding(size, q_len)
-        layout = PagedLayout.of(padded, self.shape.page_size)
-        self._plan(wrapper, layout, padded, q_len)
+    def _capture(self, key: GraphKey) -> _Graph:
+        size, q_len, capture, tokens = key
+        rows, step_rows = tokens + size * q_len, size * q_len
+        first = MAX_PROMPT_LOGITS if tokens else 0  # the step rows' first logit row
         # Each row starts 128-byte aligned, as a tensor of its own would: Triton kernels
-        # specialise on 16-byte-aligned pointers, and rows of [3, 1] would put the
+        # specialise on 16-byte-aligned pointers, and rows of [5, 1] would put the
         # positions 8 bytes in.
-        width = -(-size * q_len // 16) * 16
-        inputs = torch.zeros(3, width, dtype=torch.int64, device=device)
-        ids, positions, write_slots = inputs[:, : size * q_len].unbind()
-        write_slots.copy_(layout.write_slots)
-        staged = torch.zeros(3, width, dtype=torch.int64, pin_memory=True)
-        trees = None
-        if q_len == 1:
-            ctx = AttentionContext(PlannedAttention(), FlashInferMetadata(write_slots, wrapper),
-                                   self.cache)
-        else:
-            trees = torch.ones(size, q_len, q_len, dtype=torch.bool, device=device)
-            ctx = AttentionContext(TreeVerifyAttention(),
-                                   TreeVerifyMetadata(write_slots, wrapper, trees), self.cache)
+        width = -(-max(rows, first + step_rows) // 16) * 16
+        inputs = torch.zeros(5, width, dtype=torch.int64, device=self.device)
+        ids, positions, write_slots, starts = inputs[:4, :rows].unbind()
+        logit_rows = inputs[4, :first + step_rows]
+        parts: list[tuple[AttentionBackend, AttentionMetadata]] = []
+        wrapper = trees = None
+        if tokens:  # one-row prompts on the scratch slot until replayed
+            write_slots[:tokens].fill_(self.scratch_pages[0] * self.shape.page_size)
+            starts[:tokens].copy_(torch.arange(tokens))
+            parts.append((PromptAttention(), PromptMetadata(write_slots[:tokens],
+                                                            starts[:tokens])))
+        if size:
+            wrapper = self._wrapper(size, q_len)
+            padded = self._padding(size, q_len)
+            layout = PagedLayout.of(padded, self.shape.page_size)
+            self._plan(wrapper, layout, padded, q_len)
+            slots = write_slots[tokens:]
+            slots.copy_(layout.write_slots)
+            logit_rows[first:].copy_(torch.arange(tokens, rows))
+            if q_len == 1:
+                parts.append((PlannedAttention(), FlashInferMetadata(slots, wrapper)))
+            else:
+                trees = torch.ones(size, q_len, q_len, dtype=torch.bool, device=self.device)
+                parts.append((TreeVerifyAttention(), TreeVerifyMetadata(slots, wrapper, trees)))
+        backend, meta = parts[0] if len(parts) == 1 else (
+            SplitAttention(), SplitMetadata(write_slots, tokens, parts[0], parts[1]))
+        ctx = AttentionContext(backend, meta, self.cache)
+        staged = torch.zeros(5, width, dtype=torch.int64, pin_memory=True)
+        staged.copy_(inputs)  # the static parts (the step rows' logit rows) go in every copy
+        logits = self.logits_out[:first + step_rows]
 
-        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+        def forward() -> torch.Tensor | None:
             out = self.model(ids, positions, ctx, capture)
-            return self.model.compute_logits(out.hidden), out.aux
+            hidden = out.hidden.index_select(0, logit_rows) if tokens else out.hidden
+            logits.copy_(self.model.compute_logits(hidden))
+            return out.aux
 
-        graph, (logits, aux) = self._record(forward)
+        graph, aux = self._record(forward)
         copied = torch.cuda.Event()
         copied.record()
         return _Graph(graph, wrapper, inputs, staged.numpy(), staged, copied, trees, logits, aux)
-
-    def _capture_prompts(self, tokens: int, capture: tuple[int, ...]) -> _Graph:
-        """A prefill graph of ``tokens`` rows, all one-row prompts on the scratch slot until
-        replayed."""
-        width = -(-max(tokens, MAX_PROMPT_LOGITS) // 16) * 16  # 128-byte rows, as in _capture
-        inputs = torch.zeros(5, width, dtype=torch.int64, device=self.device)
-        ids, positions, write_slots, starts = inputs[:4, :tokens].unbind()
-        logit_rows = inputs[4, :MAX_PROMPT_LOGITS]
-        write_slots.fill_(self.scratch_pages[0] * self.shape.page_size)
-        starts.copy_(torch.arange(tokens))
-        staged = torch.zeros(5, width, dtype=torch.int64, pin_memory=True)
-        ctx = AttentionContext(PromptAttention(), PromptMetadata(write_slots, starts), self.cache)
-
-        def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
-            out = self.model(ids, positions, ctx, capture)
-            return self.model.compute_logits(out.hidden.index_select(0, logit_rows)), out.aux
-
-        graph, (logits, aux) = self._record(forward)
-        copied = torch.cuda.Event()
-        copied.record()
-        return _Graph(graph, None, inputs, staged.numpy(), staged, copied, None, logits, aux)
 
     def _record(self, forward: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         """Warm forward up on a side stream (lazy initialisation must not happen in capture),
@@ -370,3 +354,8 @@ class StepGraphs:
             with torch.cuda.graph(graph, pool=self.pool):
                 outputs = forward()
         return graph, outputs
+
+
+def _logit_rows(key: GraphKey) -> int:
+    """The rows of a graph's logits: its prompts' (MAX_PROMPT_LOGITS) and every step row's."""
+    return (MAX_PROMPT_LOGITS if key.tokens else 0) + key.size * key.q_len

@@ -1,13 +1,16 @@
 """The target's start-up steps. Each returns a finished part; the engine is built from them.
 
 Steps, in order: load_config, init_distributed, load_model, allocate_kv_cache,
-init_attention_backend, capture_cuda_graphs, connect_draft, warmup,
-start_server. Health turns SERVING in __main__ only after all of them.
+init_attention_backend, connect_draft, capture_cuda_graphs, warmup,
+start_server. Health turns SERVING in __main__ only after all of them. The
+draft is connected before the graphs are captured because they capture the
+layer inputs that draft reads (and no others).
 
-With tensor parallelism every rank runs the first six (:func:`build_rank`)
-on its shard; ranks 1..N-1 then skip the last three (only rank 0 talks to the
-draft and the gateway) and serve rank 0's calls (:func:`run_rank`), while
-rank 0 waits for all of them in its warmup step before driving any call.
+With tensor parallelism every rank runs the first seven (:func:`build_rank`)
+on its shard, ranks 1..N-1 skipping connect_draft (only rank 0 talks to the
+draft); they then skip the last two (only rank 0 serves the gateway) and serve
+rank 0's calls (:func:`run_rank`), while rank 0 waits for all of them in its
+warmup step before driving any call.
 """
 
 from __future__ import annotations
@@ -53,10 +56,9 @@ from target_service.servicer import TargetServicer
 log = logging.getLogger(__name__)
 
 STEPS = ["load_config", "init_distributed", "load_model", "allocate_kv_cache",
-         "init_attention_backend", "capture_cuda_graphs", "connect_draft", "warmup", "start_server"]
+         "init_attention_backend", "connect_draft", "capture_cuda_graphs", "warmup", "start_server"]
 # What ranks 1..N-1 do not run, and why.
-RANK_SKIPS = {"connect_draft": "rank 0 talks to the draft",
-              "warmup": "rank 0 drives warmup; this rank runs its calls",
+RANK_SKIPS = {"warmup": "rank 0 drives warmup; this rank runs its calls",
               "start_server": "only rank 0 serves gRPC"}
 WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 WARMUP_NEW_TOKENS = 8
@@ -187,12 +189,12 @@ def default_capture(num_layers: int) -> tuple[int, ...]:
 
 
 def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
-                        shape: AttentionShape, num_layers: int) -> Detailed:
+                        shape: AttentionShape, capture: tuple[int, ...]) -> Detailed:
     """Step graphs for every batch-size bucket up to --max-running: plain decode and, with a
-    draft, verification of a tree of --num-draft-tokens nodes; and prefill graphs of fresh
+    draft, verification of a tree of --num-draft-tokens nodes; prefill graphs of fresh
     prompts for token counts up to --prefill-graph-tokens (at most --max-prefill-tokens);
-    each without captured features and (with a draft) with the default EAGLE-3 ones. The
-    runner replays them."""
+    and each step after each prompt count (mixed steps). All capture the layer inputs the
+    draft reads (``capture``, from connect_draft). The runner replays them."""
     device = str(runner.device)
     if not device.startswith("cuda"):
         return Detailed(None, f"no-op on {device}")
@@ -207,20 +209,17 @@ def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
     scratch = pool.allocate(-(-(max(q_lens) + 1) // cfg.page_size))
     graphs = StepGraphs(runner.model, runner.cache, shape, scratch,
                         cfg.max_context + cfg.max_tree_nodes + 1, device)
-    variants = ((), default_capture(num_layers)) if cfg.draft else ((),)
     buckets = buckets_up_to(cfg.max_running)
-    seconds = graphs.capture(buckets, q_lens, variants)
     prompt_tokens = min(cfg.prefill_graph_tokens, cfg.max_prefill_tokens)
     prompt_buckets = buckets_up_to(prompt_tokens, PROMPT_BUCKETS) if prompt_tokens > 0 else ()
-    if prompt_buckets:
-        seconds += graphs.capture_prompts(prompt_buckets, variants)
+    seconds = graphs.capture(buckets, q_lens, (capture,), prompt_buckets)
     runner.graphs = graphs
-    what = (f"decode and {cfg.num_draft_tokens}-node verify, each without and with the default "
-            "EAGLE-3 features" if cfg.draft else "decode")
-    prefills = (f"; {len(graphs.prompt_graphs)} prefill graphs for prompt tokens "
-                f"{', '.join(map(str, prompt_buckets))}" if prompt_buckets else "; prefill eager")
-    return Detailed(graphs, f"{len(graphs.graphs)} graphs ({what}) for batch sizes "
-                    f"{', '.join(map(str, buckets))}{prefills}, in {seconds:.1f}s")
+    steps = f"decode and {cfg.num_draft_tokens}-node verify" if cfg.draft else "decode"
+    prompts = (f", each alone and after prompts of {', '.join(map(str, prompt_buckets))} tokens"
+               if prompt_buckets else "; prompts eager")
+    features = f"capturing layer inputs {list(capture)}" if capture else "no features"
+    return Detailed(graphs, f"{len(graphs.graphs)} graphs ({steps} for batch sizes "
+                    f"{', '.join(map(str, buckets))}{prompts}; {features}) in {seconds:.1f}s")
 
 
 def connect_draft(cfg: TargetConfig, spec: ModelSpec) -> Detailed:
@@ -355,10 +354,14 @@ class RankParts(NamedTuple):
     tp: TP
     runner: ModelRunner
     pool: PagePool
+    draft: Draft | None
 
 
-def build_rank(cfg: TargetConfig, startup: Startup, where: Placement) -> RankParts:
-    """The steps every rank runs: config, process group, its shard, its cache, attention."""
+def build_rank(cfg: TargetConfig, startup: Startup, where: Placement,
+               connect: Callable[[ModelSpec], Draft | None] | None = None) -> RankParts:
+    """The steps every rank runs: config, process group, its shard, its cache, attention,
+    graphs. ``connect`` (rank 0's) runs connect_draft before the graphs, which capture the
+    layer inputs that draft reads; the other ranks skip it."""
     spec: ModelSpec = startup.step("load_config", load_config, cfg, where)
     tp: TP = startup.step("init_distributed", init_distributed, cfg, where)
     device = where.device(cfg.device)
@@ -371,9 +374,14 @@ def build_rank(cfg: TargetConfig, startup: Startup, where: Placement) -> RankPar
     # Rank 0 of several announces every call; the other ranks run what it announces.
     runner = (TPRunner(model, cache, backend, device, tp.control)
               if where.size > 1 and where.rank == 0 else ModelRunner(model, cache, backend, device))
+    if connect is None:
+        startup.skip("connect_draft", "rank 0 talks to the draft")
+        draft = None
+    else:
+        draft = connect(spec)
     startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg, runner, pool, shape,
-                 spec.config.num_layers)
-    return RankParts(spec, tp, runner, pool)
+                 draft.capture if draft else ())
+    return RankParts(spec, tp, runner, pool, draft)
 
 
 def run_rank(rank: int, conn: Connection | None, cfg: TargetConfig, where: Placement) -> None:
@@ -411,8 +419,14 @@ def build(cfg: TargetConfig, startup: Startup, start_engine: Callable[[Engine], 
           where: Placement = ONE_RANK, wait_ranks: Callable[[], None] = lambda: None) -> Built:
     """Run every step of rank 0; returns the running parts. Raises InitFailed on the first
     failure. ``wait_ranks`` returns when ranks 1..N-1 serve calls (their reports in hand)."""
-    parts = build_rank(cfg, startup, where)
-    spec = parts.spec
+    def connect(spec: ModelSpec) -> Draft | None:
+        if cfg.draft:
+            return startup.step("connect_draft", connect_draft, cfg, spec)
+        startup.skip("connect_draft", "no --draft given: plain decoding only")
+        return None
+
+    parts = build_rank(cfg, startup, where, connect)
+    spec, draft = parts.spec, parts.draft
 
     def ranks_ready() -> str:
         if where.size == 1:
@@ -423,11 +437,6 @@ def build(cfg: TargetConfig, startup: Startup, start_engine: Callable[[Engine], 
             wait_ranks()
         return f"{where.size} ranks ready; "
 
-    draft: Draft | None = None
-    if cfg.draft:
-        draft = startup.step("connect_draft", connect_draft, cfg, spec)
-    else:
-        startup.skip("connect_draft", "no --draft given: plain decoding only")
     default_shape = common_pb2.DraftShape(num_draft_tokens=cfg.num_draft_tokens, topk=cfg.topk,
                                           num_steps=cfg.num_steps)
     limits = EngineLimits(vocab_size=spec.config.vocab_size, max_context=cfg.max_context,

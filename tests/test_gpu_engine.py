@@ -185,7 +185,7 @@ def graphed_and_eager_runs(steps: int, tree: list[int] | None) -> dict:
                 rows = list(range(q * len(attn)))
                 if graphs is not None:
                     key = graphs.key_for(attn, rows, (2, 3))
-                    assert key == (4, q, (2, 3))
+                    assert key == (4, q, (2, 3), 0)
                     logits, aux = graphs.run(key, ids, pos, attn)
                 else:
                     ctx = AttentionContext(backend, backend.plan(attn, "cuda"), cache)
@@ -236,8 +236,8 @@ def test_graphs_refuse_what_they_did_not_capture():
     table.reserve(pool, 40)
     decode = SeqAttention(table, 20, 1)
     tree = SeqAttention(table, 29, 9, tree=ancestor_mask(TREE))
-    assert graphs.key_for([decode], [0], ()) == (1, 1, ())
-    assert graphs.key_for([tree, tree], list(range(18)), ()) == (2, 9, ())
+    assert graphs.key_for([decode], [0], ()) == (1, 1, (), 0)
+    assert graphs.key_for([tree, tree], list(range(18)), ()) == (2, 9, (), 0)
     assert graphs.key_for([SeqAttention(table, 20, 20)], [19], ()) is None       # a prompt
     assert graphs.key_for([decode, tree], list(range(10)), ()) is None            # mixed
     assert graphs.key_for([decode] * 3, [0, 1, 2], ()) is None                    # > bucket
@@ -272,8 +272,7 @@ def test_prefill_graphs_and_mixed_steps_match_eager_steps():
         runner = ModelRunner(model, cache, backend, "cuda")
         if graphed:
             runner.graphs = StepGraphs(model, cache, shape, pool.allocate(1), 128, "cuda")
-            runner.graphs.capture((1, 2, 4), (1,), ((), (2, 3)))
-            runner.graphs.capture_prompts((32, 64), ((), (2, 3)))
+            runner.graphs.capture((1, 2, 4), (1,), ((2, 3),), (32, 64))
         tables = [PageTable(PAGE) for _ in prompts]
         for table, prompt in zip(tables, prompts, strict=True):
             table.reserve(pool, len(prompt) + 8)
@@ -332,14 +331,15 @@ def test_prefill_graph_plans_refuse_what_they_cannot_replay():
                     "cuda")
     pool = PagePool(64)
     graphs = StepGraphs(model, cache, shape, pool.allocate(1), 128, "cuda")
-    graphs.capture((1, 2), (1,), ((),))
-    graphs.capture_prompts((32,), ((),))
+    graphs.capture((1, 2), (1,), ((),), (32,))
     table = PageTable(PAGE)
     table.reserve(pool, 60)
     prompt, decode = SeqAttention(table, 20, 20), SeqAttention(table, 20, 1)
-    assert graphs.plan([prompt], [19], ()) == (1, 20, (32, ()), None)
-    assert graphs.plan([prompt, decode], [19, 20], ()) == (1, 20, (32, ()), (1, 1, ()))
-    assert graphs.plan([decode], [0], ()) == (0, 0, None, (1, 1, ()))
+    assert graphs.plan([prompt], [19], ()) == ((0, 0, (), 32), 1, 20)
+    assert graphs.plan([prompt, decode], [19, 20], ()) == ((1, 1, (), 32), 1, 20)
+    assert graphs.plan([decode], [0], ()) == ((1, 1, (), 0), 0, 0)
+    short = SeqAttention(table, 10, 10)
+    assert graphs.plan([short, short, decode], [9, 19, 20], ()) == ((1, 1, (), 32), 2, 20)
     assert graphs.plan([SeqAttention(table, 40, 40)], [39], ()) is None      # over 32 tokens
     assert graphs.plan([SeqAttention(table, 30, 10)], [9], ()) is None       # has a prefix
     assert graphs.plan([prompt, decode], [20, 19], ()) is None               # rows reordered

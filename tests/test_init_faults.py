@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 TARGET_STEPS = ["load_config", "init_distributed", "load_model", "allocate_kv_cache",
-                "init_attention_backend", "capture_cuda_graphs", "connect_draft", "warmup",
+                "init_attention_backend", "connect_draft", "capture_cuda_graphs", "warmup",
                 "start_server"]
 DRAFT_STEPS = ["load_config", "load_model", "allocate_kv_cache", "init_attention_backend",
                "capture_cuda_graphs", "warmup", "start_server"]

@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaForCausalLM as HFLlama
 
 from splitspec.attention import SeqAttention, TorchAttentionBackend
+from splitspec.attention.base import SplitAttention, SplitMetadata
 from splitspec.attention.cascade import TorchPrefix, TreeVerifyAttention, TreeVerifyMetadata
 from splitspec.attention.prompts import PromptAttention, prompt_starts
 from splitspec.builtin import BUILTIN_TARGET
@@ -108,6 +109,40 @@ def test_packed_prompts_match_transformers_prompt_by_prompt(models):
         for i, prompt in enumerate(prompts):
             want = theirs(torch.cat((prompt, torch.tensor([ends[i]])))[None]).logits[0, -1]
             torch.testing.assert_close(step[i], want, atol=1e-4, rtol=1e-4)
+
+
+def test_split_pass_of_prompts_and_decode_matches_one_torch_pass(models):
+    """A mixed step as its CUDA graph runs it (SplitAttention: the prompts' rows through
+    PromptAttention, then the decoding rows through the torch backend) against the torch
+    backend's one pass over the same batch: the same logits, the same cache."""
+    ours, _ = models
+    cfg = ours.config
+    gen = torch.Generator().manual_seed(4)
+    caches = [KVCache(cfg.num_layers, 32, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32, "cpu")
+              for _ in range(2)]
+    caches[1].data.copy_(caches[0].data.normal_())
+    pool = PagePool(32)
+    tables = []
+    for _ in range(4):
+        tables.append(PageTable(4))
+        tables[-1].reserve(pool, 24)
+    # two sequences with 10 and 15 cached slots decode one token; two prompts of 7 and 3
+    prompts = [SeqAttention(tables[0], 7, 7), SeqAttention(tables[1], 3, 3)]
+    decode = [SeqAttention(tables[2], 11, 1), SeqAttention(tables[3], 16, 1)]
+    ids = torch.randint(0, cfg.vocab_size, (12,), generator=gen)
+    pos = torch.tensor([*range(7), *range(3), 10, 15])
+    torch_backend, prompt_backend = TorchAttentionBackend(), PromptAttention()
+    first, second = prompt_backend.plan(prompts, "cpu"), torch_backend.plan(decode, "cpu")
+    split = SplitMetadata(torch.cat((first.write_slots, second.write_slots)), 10,
+                          (prompt_backend, first), (torch_backend, second))
+    with torch.inference_mode():
+        got = ours(ids, pos, AttentionContext(SplitAttention(), split, caches[0]), (1,))
+        want = ours(ids, pos, AttentionContext(torch_backend, torch_backend.plan(
+            [*prompts, *decode], "cpu"), caches[1]), (1,))
+        torch.testing.assert_close(ours.compute_logits(got.hidden),
+                                   ours.compute_logits(want.hidden), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.aux, want.aux)
+    torch.testing.assert_close(caches[0].data, caches[1].data)
 
 
 def test_prompt_attention_plans_fresh_prompts_only():

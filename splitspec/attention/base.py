@@ -83,3 +83,26 @@ def causal_mask(q_len: int, kv_len: int, device: torch.device | str) -> torch.Te
     cols = torch.arange(kv_len, device=device)
     rows = torch.arange(q_len, device=device) + (kv_len - q_len)
     return cols[None, :] <= rows[:, None]
+
+
+@dataclass
+class SplitMetadata(AttentionMetadata):
+    rows: int                                          # the first part's rows
+    first: tuple[AttentionBackend, AttentionMetadata]  # rows [0, rows)
+    second: tuple[AttentionBackend, AttentionMetadata]  # the rest
+
+
+class SplitAttention(AttentionBackend):
+    """A pass of two parts side by side, each with its own backend and metadata (a mixed
+    step's CUDA graph: prompts, then decode or verify rows, splitspec/cuda_graphs.py); each
+    part writes its own K/V."""
+
+    def plan(self, seqs: list[SeqAttention], device: torch.device | str) -> AttentionMetadata:
+        raise TypeError("SplitAttention runs passes planned by their owner (StepGraphs)")
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: SplitMetadata, cache: KVCache) -> torch.Tensor:
+        n = meta.rows
+        (first, first_meta), (second, second_meta) = meta.first, meta.second
+        return torch.cat((first.forward(layer, q[:n], k[:n], v[:n], first_meta, cache),
+                          second.forward(layer, q[n:], k[n:], v[n:], second_meta, cache)))
