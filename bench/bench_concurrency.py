@@ -35,7 +35,9 @@ so plain decoding keeps each wave in step and prefills it in one step, while spe
 ``--modes`` runs fewer modes (OFF and ON always: the ratios are against them). With
 ``--start`` both services get ``--device`` and ``--dtype`` (and ``--max-context`` when
 given); the target runs ``--max-running`` max(32, largest concurrency) sequences, and the
-draft holds at least as many.
+draft holds at least as many. The target's init report (each start-up step's seconds and
+detail: how many CUDA graphs were captured, in how long) goes into the JSON as
+``target_init``.
 
 **Replay draft** (``--draft-kind replay``, with ``--start``): measures speed at a known
 acceptance on a target no trained draft agrees with. The script starts the target alone
@@ -227,6 +229,14 @@ def eager_share(stats: RunStats) -> float:
     on CPU)."""
     decode = [s for s in stats.steps if s.batch_size]
     return sum(not s.graphed for s in decode) / len(decode) if decode else 0.0
+
+
+def init_steps(pb: common_pb2.InitReport) -> dict[str, Any]:
+    """A service's start-up as the sweep saw it: each step's state, seconds and detail (how
+    many graphs were captured, and in how long), and the seconds of all steps."""
+    steps = [{"name": s.name, "state": common_pb2.StepState.Name(s.state),
+              "duration_s": round(s.duration_s, 3), "detail": s.detail} for s in pb.steps]
+    return {"steps": steps, "total_s": round(sum(s.duration_s for s in pb.steps), 3)}
 
 
 def mean_decode_batch(stats: RunStats) -> float:
@@ -660,6 +670,11 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"target {args.target} holds {info.max_context} tokens per "
                              f"sequence, below the longest prompt plus the tokens generated "
                              f"({need}): start it with --max-context {need}")
+        report["target_init"] = init_steps(stub.GetInitReport(common_pb2.GetInitReportRequest()))
+        graphs = next(s for s in report["target_init"]["steps"] if s["name"] == "capture_cuda_graphs")
+        print(f"target start-up: {report['target_init']['total_s']:.1f} s of steps; "
+              f"capture_cuda_graphs {graphs['duration_s']:.1f} s: {graphs['detail']}",
+              file=sys.stderr, flush=True)
         report["settings"]["target_model"] = info.model_name
         report["settings"]["target_label"] = (
             f"{info.model_name} (Llama-3.1-8B shape, RANDOM bf16 weights)" if args.random_8b

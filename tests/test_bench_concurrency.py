@@ -160,6 +160,10 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     settings = report["settings"]
     assert report["complete"] and settings["modes"] == ["OFF", "ON", "adaptive"]
     assert settings["draft"] == settings["draft_model"] == "replay(records.jsonl, corrupt 0.00)"
+    steps = {step["name"]: step for step in report["target_init"]["steps"]}
+    assert steps["capture_cuda_graphs"]["detail"] == "no-op on cpu"  # the start-up, as it went
+    assert steps["connect_draft"]["state"] == "STEP_STATE_OK"
+    assert report["target_init"]["total_s"] >= steps["load_model"]["duration_s"] > 0
     depth = settings["shape"][2]
     assert [e["concurrency"] for e in report["results"]] == [1, 2]
     for entry in report["results"]:
