@@ -9,6 +9,9 @@
   boundaries, and what they leave to eager steps (a verify graph attends in two
   parts, splitspec/attention/cascade.py, the eager step through FA2's custom
   mask: two implementations checked against each other);
+- prompts in graphs and mixed steps (prompts prefilled while others decode, one
+  graph) through ModelRunner against eager steps, and the passes the graphs
+  refuse;
 - the target service on the GPU: speculation ON against OFF in bf16 (the
   share of identical greedy tokens is printed), and a fault injected into
   ``capture_cuda_graphs`` fails start-up naming that step;
