@@ -216,8 +216,9 @@ def speculated_share(stats: RunStats) -> float:
 
 def mixed_steps(stats: RunStats) -> tuple[float, float, float]:
     """(share of steps that prefill and decode in one forward, their mean ms, the mean ms of
-    decode-only steps): a mixed step runs eagerly (no CUDA graph covers it), so a workload
-    whose requests arrive one by one pays an eager step for many of its steps."""
+    decode-only steps): a workload whose requests arrive one by one prefills in many of its
+    steps, and each costs more than a plain one (an eager forward when its prompts exceed
+    the target's prefill graphs)."""
     mixed = [s.total_s for s in stats.steps if s.prefill_tokens and s.batch_size]
     decode = [s.total_s for s in stats.steps if not s.prefill_tokens and s.batch_size]
     mean_ms = lambda xs: 1000 * statistics.fmean(xs) if xs else 0.0  # noqa: E731
