@@ -224,9 +224,10 @@ def test_step_graphs_match_eager_steps(tree):
         assert sum(same) >= 0.95 * len(same)
 
 
-def test_graphs_refuse_what_they_did_not_capture():
-    """A prompt, a mixed batch, a tree of another size or a batch over the largest bucket
-    runs eagerly (key_for says None)."""
+def builtin_graphs(buckets: tuple[int, ...], q_lens: tuple[int, ...],
+                   prompt_buckets: tuple[int, ...] = ()) -> tuple[StepGraphs, PagePool]:
+    """The built-in target's step graphs (bf16, flashinfer; no features) over a fresh cache,
+    and that cache's page pool."""
     model = load_llama(BUILTIN_TARGET, torch.bfloat16, "cuda")
     cfg = model.config
     shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, PAGE, torch.bfloat16)
@@ -234,7 +235,14 @@ def test_graphs_refuse_what_they_did_not_capture():
                     "cuda")
     pool = PagePool(64)
     graphs = StepGraphs(model, cache, shape, pool.allocate(1), 128, "cuda")
-    graphs.capture((1, 2), (1, 9), ((),))
+    graphs.capture(buckets, q_lens, ((),), prompt_buckets)
+    return graphs, pool
+
+
+def test_graphs_refuse_what_they_did_not_capture():
+    """A prompt, a mixed batch, a tree of another size or a batch over the largest bucket
+    runs eagerly (key_for says None)."""
+    graphs, pool = builtin_graphs((1, 2), (1, 9))
     table = PageTable(PAGE)
     table.reserve(pool, 40)
     decode = SeqAttention(table, 20, 1)
@@ -327,14 +335,7 @@ def test_prefill_graphs_and_mixed_steps_match_eager_steps():
 
 
 def test_prefill_graph_plans_refuse_what_they_cannot_replay():
-    model = load_llama(BUILTIN_TARGET, torch.bfloat16, "cuda")
-    cfg = model.config
-    shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, PAGE, torch.bfloat16)
-    cache = KVCache(cfg.num_layers, 64, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
-                    "cuda")
-    pool = PagePool(64)
-    graphs = StepGraphs(model, cache, shape, pool.allocate(1), 128, "cuda")
-    graphs.capture((1, 2), (1,), ((),), (32,))
+    graphs, pool = builtin_graphs((1, 2), (1,), (32,))
     table = PageTable(PAGE)
     table.reserve(pool, 60)
     prompt, decode = SeqAttention(table, 20, 20), SeqAttention(table, 20, 1)
