@@ -167,8 +167,9 @@ class StepGraphs:
         tokens = sum(seq.q_len for seq in seqs[:count])
         size = q_len = bucket = 0
         if count < len(seqs):
-            shaped = self._step_shape(seqs[count:], [row - tokens for row in logit_rows
-                                                     if row >= tokens])
+            rest = ([row - tokens for row in logit_rows if row >= tokens] if count
+                    else logit_rows)  # (a pass without prompts: no copy per step)
+            shaped = self._step_shape(seqs[count:], rest)
             if shaped is None:
                 return None
             size, q_len = shaped
