@@ -259,13 +259,15 @@ def test_graphs_refuse_what_they_did_not_capture():
     assert graphs.key_for([spelled], list(range(9)), ()) is None                  # full mask
 
 
-def test_prefill_graphs_and_mixed_steps_match_eager_steps():
-    """ModelRunner with prefill and decode graphs against one without: prompts alone (a
-    prefill graph), prompts arriving while others decode (a mixed step: the prefill graph,
-    then the decode graph), decoding, and what stays eager (prompts over the largest
-    prefill bucket; a prompt continuing a cached prefix). The graphs' prompts attend through
-    the Triton kernel, the eager ones through flashinfer's prefill: logits within bf16
-    noise, the same argmax but for near-ties; captured features too."""
+@pytest.mark.parametrize("tree", [None, TREE], ids=["decode", "verify"])
+def test_prefill_graphs_and_mixed_steps_match_eager_steps(tree):
+    """ModelRunner with prompt and step graphs against one without: prompts alone (a
+    prompt graph), prompts arriving while others decode or verify a tree (a mixed step: one
+    graph, prompt rows first), steps alone, and what stays eager (prompts over the largest
+    prompt bucket). The graphs' prompts attend through the Triton kernel, the eager ones
+    through flashinfer's prefill (and a verify graph in two parts against FA2's mask):
+    logits within bf16 noise, the same argmax but for near-ties; captured features too.
+    A verify step keeps only the root, so each sequence advances one token a step."""
     from target_service.runner import ForwardBatch, ModelRunner
 
     model = load_llama(BUILTIN_TARGET, torch.bfloat16, "cuda")
@@ -275,6 +277,8 @@ def test_prefill_graphs_and_mixed_steps_match_eager_steps():
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist()
                for n in (20, 5, 30, 70, 3)]
+    nodes = len(tree or [])
+    q = nodes + 1
     runs, graphed_steps = {}, []
     for graphed in (False, True):
         cache = KVCache(cfg.num_layers, 64, PAGE, cfg.num_kv_heads, cfg.head_dim,
@@ -283,10 +287,10 @@ def test_prefill_graphs_and_mixed_steps_match_eager_steps():
         runner = ModelRunner(model, cache, backend, "cuda")
         if graphed:
             runner.graphs = StepGraphs(model, cache, shape, pool.allocate(1), 128, "cuda")
-            runner.graphs.capture((1, 2, 4), (1,), ((2, 3),), (32, 64))
+            runner.graphs.capture((1, 2, 4), (q,), ((2, 3),), (32, 64))
         tables = [PageTable(PAGE) for _ in prompts]
         for table, prompt in zip(tables, prompts, strict=True):
-            table.reserve(pool, len(prompt) + 8)
+            table.reserve(pool, len(prompt) + 8 + q)
         lengths = [0] * len(prompts)
         last = [0] * len(prompts)
         seen, flags = [], []
@@ -300,10 +304,11 @@ def test_prefill_graphs_and_mixed_steps_match_eager_steps():
                 attn.append(SeqAttention(tables[i], len(prompts[i]), len(prompts[i])))
                 rows.append(len(ids) - 1)
             for i in decoding:
-                ids.append(last[i])
-                pos.append(lengths[i])
-                attn.append(SeqAttention(tables[i], lengths[i] + 1, 1))
-                rows.append(len(ids) - 1)
+                rows += range(len(ids), len(ids) + q)
+                ids += [last[i], *[(last[i] + 1 + k) % cfg.vocab_size for k in range(nodes)]]
+                pos += positions(tree, lengths[i]).tolist() if tree else [lengths[i]]
+                attn.append(SeqAttention(tables[i], lengths[i] + q, q,
+                                         tree=ancestor_mask(tree) if tree else None))
             logits, aux = runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), attn,
                                                       rows, (2, 3)))
             assert aux is not None and aux.shape[0] == len(ids)
@@ -312,15 +317,15 @@ def test_prefill_graphs_and_mixed_steps_match_eager_steps():
             for i in new:
                 lengths[i] = len(prompts[i])
             for i in decoding:
-                lengths[i] += 1
+                lengths[i] += 1  # keep the root; the tree's rows are overwritten
             for i in [*new, *decoding]:  # fixed inputs, not the runs' choices
                 last[i] = (7 * lengths[i] + 3 * i) % cfg.vocab_size
 
         step([0, 1], [])        # prompts alone: 25 tokens, bucket 32
-        step([2], [0, 1])       # mixed: 30 tokens, bucket 32, then decode bucket 2
-        step([], [0, 1, 2])     # decode, bucket 4
+        step([2], [0, 1])       # mixed: 30 tokens, bucket 32, then step bucket 2
+        step([], [0, 1, 2])     # steps alone, bucket 4
         step([3], [0, 1, 2])    # 70 prompt tokens: over the largest bucket, eager
-        step([4], [0, 1, 2, 3])  # mixed again: 3 tokens, bucket 32, then decode bucket 4
+        step([4], [0, 1, 2, 3])  # mixed again: 3 tokens, bucket 32, then step bucket 4
         runs[graphed] = seen
         graphed_steps.append(flags)
     assert graphed_steps == [[False] * 5, [True, True, True, False, True]]
