@@ -651,7 +651,9 @@ def main(argv: list[str] | None = None) -> int:
             procs, args.target = start_stack(args.draft_kind, args.models, args.device,
                                              args.dtype, max_running=max_running,
                                              target_model=target_model, draft_args=draft_args,
-                                             draft_port=draft_port, extra_args=context)
+                                             draft_port=draft_port, extra_args=context,
+                                             target_args=["--graph-tree-sizes",
+                                                          str(SHAPES[args.shape][0])])
             report["settings"]["target"] = args.target
             if draft_port is not None:
                 draft_channel = grpc.insecure_channel(f"127.0.0.1:{draft_port}",

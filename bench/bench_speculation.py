@@ -216,14 +216,14 @@ def start_target(model: Path, device: str, dtype: str, args: Sequence[str] = (),
 def start_stack(draft_kind: str, models: Path, device: str, dtype: str,
                 max_running: int | None = None, env: dict[str, str] | None = None, *,
                 target_model: Path | None = None, draft_args: Sequence[str] | None = None,
-                draft_port: int | None = None, extra_args: Sequence[str] = ()
-                ) -> tuple[list[subprocess.Popen], str]:
+                draft_port: int | None = None, extra_args: Sequence[str] = (),
+                target_args: Sequence[str] = ()) -> tuple[list[subprocess.Popen], str]:
     """Draft and target on free ports; `max_running`: the target's (None: its default; the
     draft holds at least as many sequences); `env`: extra environment variables of both processes; `target_model`:
     the target checkpoint (None: models/target); `draft_args`: the draft's model flags in
     place of ``--model`` for draft_kind (for example the replay draft's); `draft_port`:
     the draft's port (None: a free one); `extra_args`:
-    more flags of both services (e.g. --max-context)."""
+    more flags of both services (e.g. --max-context); `target_args`: the target's alone."""
     draft_port = draft_port or free_port()
     target_model = target_model or models / "target"
     if draft_args is None:
@@ -238,8 +238,8 @@ def start_stack(draft_kind: str, models: Path, device: str, dtype: str,
                                device, "--dtype", dtype, *draft_limits, *extra_args],
                               stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})]
     target, address = start_target(target_model, device, dtype,
-                                   ["--draft", f"127.0.0.1:{draft_port}", *limits, *extra_args],
-                                   env)
+                                   ["--draft", f"127.0.0.1:{draft_port}", *limits, *extra_args,
+                                    *target_args], env)
     return [*procs, target], address
 
 

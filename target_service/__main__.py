@@ -29,7 +29,12 @@ def parse_args(argv: list[str] | None) -> TargetConfig:
         prog="python -m target_service",
         description="SplitSpec target service: serves the big model, verifies draft token trees.")
     add_arguments(parser, TargetConfig)
-    return from_args(TargetConfig, parser.parse_args(argv))
+    cfg = from_args(TargetConfig, parser.parse_args(argv))
+    try:
+        cfg.verify_graph_sizes  # noqa: B018 (parsed now: a bad value is a usage error)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return cfg
 
 
 def placement(cfg: TargetConfig) -> Placement:

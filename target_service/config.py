@@ -32,6 +32,10 @@ class TargetConfig:
                                "flashinfer backend, one rank)")
     prefill_graph_tokens: int = option(512, "prompt tokens of a step up to which its prefill "
                                        "replays a CUDA graph (0: prompts always run eagerly)")
+    graph_tree_sizes: str = option("", "tree sizes (nodes, comma-separated) whose verify steps "
+                                   "replay CUDA graphs; empty = --num-draft-tokens alone. A "
+                                   "size the gateway's policy asks for without a graph is "
+                                   "verified eagerly (slower, the same tokens)")
     max_running: int = option(32, "sequences decoded at once")
     max_context: int = option(1024, "prompt + generated tokens per sequence")
     page_size: int = option(16, "KV-cache page size in tokens")
@@ -48,6 +52,22 @@ class TargetConfig:
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def verify_graph_sizes(self) -> tuple[int, ...]:
+        """The tree sizes of --graph-tree-sizes, ascending (ValueError says what is wrong)."""
+        text = self.graph_tree_sizes.strip()
+        if not text:
+            return (self.num_draft_tokens,)
+        try:
+            sizes = sorted({int(part) for part in text.split(",")})
+        except ValueError:
+            raise ValueError(f"--graph-tree-sizes {text!r} is not comma-separated node "
+                             "counts, e.g. 2,8") from None
+        if sizes[0] < 1 or sizes[-1] > self.max_tree_nodes:
+            raise ValueError(f"--graph-tree-sizes {text!r}: each size must be 1 to "
+                             f"{self.max_tree_nodes} nodes")
+        return tuple(sizes)
 
     @property
     def max_tree_nodes(self) -> int:

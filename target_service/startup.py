@@ -191,7 +191,7 @@ def default_capture(num_layers: int) -> tuple[int, ...]:
 def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
                         shape: AttentionShape, capture: tuple[int, ...]) -> Detailed:
     """Step graphs for every batch-size bucket up to --max-running: plain decode and, with a
-    draft, verification of a tree of --num-draft-tokens nodes; prefill graphs of fresh
+    draft, verification of trees of each --graph-tree-sizes node count; prefill graphs of fresh
     prompts for token counts up to --prefill-graph-tokens (at most --max-prefill-tokens);
     and each step after each prompt count (mixed steps). All capture the layer inputs the
     draft reads (``capture``, from connect_draft). The runner replays them."""
@@ -204,7 +204,8 @@ def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
         return Detailed(None, "none: graphs need the flashinfer backend; eager decode")
     if runner.model.tp.size > 1:  # collectives inside captured graphs: not yet tried on NCCL
         return Detailed(None, "none with --tp > 1 yet: eager decode")
-    q_lens = (1, cfg.num_draft_tokens + 1) if cfg.draft else (1,)
+    sizes = cfg.verify_graph_sizes
+    q_lens = (1, *(n + 1 for n in sizes)) if cfg.draft else (1,)
     # The padding rows' pages (a verify row's committed slot too); every rank takes the same.
     scratch = pool.allocate(-(-(max(q_lens) + 1) // cfg.page_size))
     graphs = StepGraphs(runner.model, runner.cache, shape, scratch,
@@ -214,7 +215,8 @@ def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
     prompt_buckets = buckets_up_to(prompt_tokens, PROMPT_BUCKETS) if prompt_tokens > 0 else ()
     seconds = graphs.capture(buckets, q_lens, (capture,), prompt_buckets)
     runner.graphs = graphs
-    steps = f"decode and {cfg.num_draft_tokens}-node verify" if cfg.draft else "decode"
+    steps = (f"decode and {', '.join(map(str, sizes))}-node verify" if cfg.draft
+             else "decode")
     prompts = (f", each alone and after prompts of {', '.join(map(str, prompt_buckets))} tokens"
                if prompt_buckets else "; prompts eager")
     features = f"capturing layer inputs {list(capture)}" if capture else "no features"
