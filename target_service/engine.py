@@ -346,7 +346,7 @@ class Engine:
         draft_start = time.perf_counter()
         self._draft_compute_s = 0.0
         self._step_traceparent = telemetry.traceparent(span)
-        trees = self._draft_trees(decode)
+        trees, budget = self._draft_trees(decode)
         forward_start = time.perf_counter()
         result = self._forward(prefill, decode, trees)
         forward_end = time.perf_counter()
@@ -358,6 +358,7 @@ class Engine:
             step=self._step, batch_size=len(decode),
             prefill_tokens=sum(len(s.prompt_ids) for s in prefill),
             speculated=any(t.num_nodes for t in trees.values()),
+            tree_budget=budget if trees else 0,
             drafted_tokens=drafted, accepted_tokens=accepted,
             draft_s=forward_start - draft_start, forward_s=forward_end - forward_start,
             total_s=end - start, waiting=len(self.scheduler.waiting),
@@ -407,12 +408,14 @@ class Engine:
             return shape_for(policy, shaped[0].max_batch_size, self.limits.default_shape)
         return shape_for(policy, batch_size, self.limits.default_shape)
 
-    def _draft_trees(self, decode: list[Sequence]) -> dict[int, Tree]:
-        """One draft exchange for the sequences that speculate this step; {} when none can."""
+    def _draft_trees(self, decode: list[Sequence]) -> tuple[dict[int, Tree], int]:
+        """One draft exchange for the sequences that speculate this step: their trees ({} when
+        none can) and the largest tree size asked of the draft."""
         shapes = {s.seq_id: self._shape(s, len(decode)) for s in decode}
         wanting = [s for s in decode if shapes[s.seq_id].num_draft_tokens > 0]
         if not wanting or self.draft is None:
-            return {}
+            return {}, 0
+        budget = max(shapes[s.seq_id].num_draft_tokens for s in wanting)
         request = draft_pb2.DraftRequest(step=self._step, release_ids=self._pending_releases,
                                          seqs=[self._draft_input(s, shapes[s.seq_id]) for s in wanting],
                                          traceparent=self._step_traceparent)
@@ -422,7 +425,7 @@ class Engine:
                 seq.draft_synced = 0
         if result.reply is None:
             log.warning("step %d decodes without speculation: %s", self._step, result.error)
-            return {}
+            return {}, 0
         self._pending_releases = []
         self._draft_compute_s = result.reply.draft_s
         trees = {}
@@ -430,7 +433,7 @@ class Engine:
             tree = self._accept_tree(seq, pb, shapes[seq.seq_id].num_draft_tokens)
             if tree is not None:
                 trees[seq.seq_id] = tree
-        return trees
+        return trees, budget
 
     def _draft_input(self, seq: Sequence, shape: common_pb2.DraftShape) -> draft_pb2.SeqDraftInput:
         start = seq.draft_synced

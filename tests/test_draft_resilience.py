@@ -74,6 +74,8 @@ def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts)
     assert toggled == plain
     stats = [e.stats for e in steps]
     assert any(s.speculated for s in stats) and any(not s.speculated for s in stats[1:])
+    # which budget each step ran (the target's default tree: 8 nodes)
+    assert all(s.tree_budget == (8 if s.speculated else 0) for s in stats)
     # What the speculation policy reads: a decode step's committed tokens are the tokens it
     # delivered (max_new_tokens cuts the last trees), and its period covers its own time.
     decode = [e for e in steps if e.stats.batch_size and not e.stats.prefill_tokens]
