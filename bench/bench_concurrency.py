@@ -8,8 +8,10 @@ gateway does), runs the four policies interleaved, ``--repeats`` times each:
   at every batch size;
 * static: ``gateway.policy.static_policy`` with ``--static-threshold``
   (the gateway's ``--spec-disable-batch-threshold``: speculate up to that batch size);
-* adaptive: one ``gateway.policy.AdaptivePolicy`` per concurrency, fed with every
-  step's statistics and learning across the repeats.
+* adaptive: one ``gateway.policy.AdaptivePolicy`` per concurrency with the gateway's
+  default budgets (the shape and a chain of 3 nodes), fed with every step's statistics and
+  learning across the repeats; the JSON's ``budget_step_shares`` says which budgets each
+  run's steps used.
 
 Each concurrency starts with ``--warmup`` untimed OFF, ON and adaptive runs (adaptive
 learns in them, as a long-running gateway would have): the first
@@ -34,8 +36,8 @@ so plain decoding keeps each wave in step and prefills it in one step, while spe
 ``--from-json`` re-renders the table and plot of a saved run without running anything.
 ``--modes`` runs fewer modes (OFF and ON always: the ratios are against them). With
 ``--start`` both services get ``--device`` and ``--dtype`` (and ``--max-context`` when
-given); the target runs ``--max-running`` max(32, largest concurrency) sequences, and the
-draft holds at least as many. The target's init report (each start-up step's seconds and
+given); the target runs ``--max-running`` max(32, largest concurrency) sequences and
+captures verify graphs for every budget used, and the draft holds at least as many. The target's init report (each start-up step's seconds and
 detail: how many CUDA graphs were captured, in how long) goes into the JSON as
 ``target_init``.
 
@@ -68,6 +70,7 @@ cut off at the limit keeps the concurrencies it finished)::
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import logging
 import math
@@ -98,7 +101,7 @@ from bench_speculation import (
     start_target,
 )
 
-from gateway.policy import AdaptivePolicy, static_policy
+from gateway.policy import AdaptivePolicy, adaptive_shapes, static_policy
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
 from splitspec.replay import record, write_records
@@ -214,6 +217,14 @@ def speculated_share(stats: RunStats) -> float:
     return sum(s.speculated for s in decode) / len(decode) if decode else 0.0
 
 
+def budget_shares(stats: RunStats) -> dict[str, float]:
+    """Share of the steps with decoding sequences run at each tree budget ("0": plain), as
+    the target reported it: which budgets the adaptive policy chose."""
+    decode = [s for s in stats.steps if s.batch_size]
+    counts = collections.Counter(s.tree_budget if s.speculated else 0 for s in decode)
+    return {str(budget): count / len(decode) for budget, count in sorted(counts.items())}
+
+
 def mixed_steps(stats: RunStats) -> tuple[float, float, float]:
     """(share of steps that prefill and decode in one forward, their mean ms, the mean ms of
     decode-only steps): a workload whose requests arrive one by one prefills in many of its
@@ -230,6 +241,14 @@ def eager_share(stats: RunStats) -> float:
     on CPU)."""
     decode = [s for s in stats.steps if s.batch_size]
     return sum(not s.graphed for s in decode) / len(decode) if decode else 0.0
+
+
+def graph_tree_sizes(shape_name: str) -> str:
+    """The target's --graph-tree-sizes: ON's tree size and every adaptive budget's."""
+    num, topk, steps = SHAPES[shape_name]
+    shape = common_pb2.DraftShape(num_draft_tokens=num, topk=topk, num_steps=steps)
+    sizes = {num, *(s.num_draft_tokens for s in adaptive_shapes("", shape))}
+    return ",".join(map(str, sorted(sizes)))
 
 
 def init_steps(pb: common_pb2.InitReport) -> dict[str, Any]:
@@ -405,11 +424,13 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
     done, start = 0, time.perf_counter()
     for concurrency in args.concurrency:
         prompts = all_prompts[:prompts_for(concurrency, args.num_prompts)]
-        adaptive = AdaptivePolicy(shape)  # one per concurrency: it learns across the repeats
+        # one per concurrency: it learns across the repeats
+        adaptive = AdaptivePolicy(adaptive_shapes("", shape))
         runs: dict[str, tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None] = {
             "OFF": None, "ON": SHAPES[args.shape], "static": static, "adaptive": adaptive}
         keys = ["tokens_per_s", "wall_s", "accepted_per_verify_step", "speculated_step_share",
-                "mean_decode_batch", "mixed_step_share", "mixed_step_ms", "decode_step_ms", "eager_step_share"] + (
+                "mean_decode_batch", "mixed_step_share", "mixed_step_ms", "decode_step_ms",
+                "eager_step_share", "budget_step_shares"] + (
                     ["draft_trees", "replay_misses"] if draft else [])
         entry: dict[str, Any] = {"concurrency": concurrency, "num_prompts": len(prompts),
                                  **{key: {mode: [] for mode in modes} for key in keys},
@@ -450,6 +471,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                 entry["mixed_step_ms"][mode].append(mixed_ms)
                 entry["decode_step_ms"][mode].append(decode_ms)
                 entry["eager_step_share"][mode].append(eager_share(stats))
+                budgets = budget_shares(stats)
+                entry["budget_step_shares"][mode].append(budgets)
                 replay = ""
                 if draft is not None:
                     trees_after, misses_after = draft_counts(draft)
@@ -463,7 +486,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                       f"({stats.wall_s:.1f} s, {speculated_share(stats):.0%} of steps "
                       f"speculated, mean batch {mean_decode_batch(stats):.1f}, {mixed_share:.0%} "
                       f"of steps mixed at {mixed_ms:.1f} ms against {decode_ms:.1f} ms, "
-                      f"{eager_share(stats):.0%} eager, "
+                      f"{eager_share(stats):.0%} eager, budgets "
+                      f"{', '.join(f'{b}: {v:.0%}' for b, v in budgets.items())}, "
                       f"{stats.mean_accepted:.2f} accepted per verify step{replay}); "
                       f"{time.perf_counter() - start:.0f} s so far", file=sys.stderr, flush=True)
         report["results"].append(entry)
@@ -653,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
                                              target_model=target_model, draft_args=draft_args,
                                              draft_port=draft_port, extra_args=context,
                                              target_args=["--graph-tree-sizes",
-                                                          str(SHAPES[args.shape][0])])
+                                                          graph_tree_sizes(args.shape)])
             report["settings"]["target"] = args.target
             if draft_port is not None:
                 draft_channel = grpc.insecure_channel(f"127.0.0.1:{draft_port}",

@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 
 from draft_service.config import DraftConfig
-from gateway.policy import AdaptivePolicy, static_policy
+from gateway.policy import AdaptivePolicy, adaptive_shapes, static_policy
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
 from splitspec.tokenizer import load_tokenizer
@@ -293,8 +293,8 @@ def main() -> int:
         rates: dict[str, list[float]] = {m: [] for m in modes}
         last: dict[str, RunStats] = {}
         num, topk, steps = SHAPES["tree"]
-        policy = AdaptivePolicy(common_pb2.DraftShape(num_draft_tokens=num, topk=topk,
-                                                      num_steps=steps))
+        policy = AdaptivePolicy(adaptive_shapes("", common_pb2.DraftShape(
+            num_draft_tokens=num, topk=topk, num_steps=steps)))
         for _ in range(args.repeats):
             for name, shape in modes.items():  # interleaved, so drift hits all alike
                 run_shape = policy if shape == "adaptive" else shape  # one policy: it learns

@@ -23,6 +23,7 @@ from gateway.generation import Final, RequestRun
 from gateway.policy import (
     AdaptivePolicy,
     ShapeOverride,
+    adaptive_shapes,
     describe_policy,
     parse_table,
     resolve_shape,
@@ -140,7 +141,7 @@ def open_stream(config: GatewayConfig, tokenizer: ModelTokenizer, peer: TargetPe
     if config.spec_policy == "table":
         policy = parse_table(config.spec_policy_table, shape)
     elif config.spec_policy == "adaptive":
-        adaptive = AdaptivePolicy(shape)
+        adaptive = AdaptivePolicy(adaptive_shapes(config.spec_adaptive_shapes, shape))
         policy = adaptive.policy
     else:
         policy = static_policy(config.spec_disable_batch_threshold, shape)

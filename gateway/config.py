@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from gateway.policy import parse_table
+from gateway.policy import adaptive_shapes, parse_table
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.config_args import add_arguments, from_args
 from splitspec.config_args import option as _flag
@@ -34,6 +34,10 @@ class GatewayConfig:
                              ("static", "table", "adaptive"))
     spec_policy_table: str = _flag("", "with --spec-policy table: MAX_BATCH:NODES[/TOPK/STEPS],... "
                                        "e.g. '4:8/4/4,16:4/1/4,*:0' (0 = off, * = any batch size)")
+    spec_adaptive_shapes: str = _flag("", "with --spec-policy adaptive: the draft budgets it "
+                                          "chooses among besides off, NODES[/TOPK/STEPS],... "
+                                          "(empty = the draft shape and a chain of 3 nodes; the "
+                                          "target's --graph-tree-sizes should hold each size)")
     spec_disable_batch_threshold: int = _flag(
         0, "turn speculation off when the decode batch is larger than this (0 = never off)")
     num_draft_tokens: int = _flag(0, "draft tree nodes to verify per step (0 = the target's default)")
@@ -56,8 +60,11 @@ class GatewayConfig:
                 f"--default-max-new-tokens must be >= 1 (got {self.default_max_new_tokens})")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"--log-level must be DEBUG, INFO, WARNING or ERROR (got {self.log_level!r})")
+        some_shape = common_pb2.DraftShape(num_draft_tokens=8, topk=1, num_steps=1)
         if self.spec_policy == "table":  # a bad table fails load_config, saying what is wrong
-            parse_table(self.spec_policy_table, common_pb2.DraftShape(topk=1, num_steps=1))
+            parse_table(self.spec_policy_table, some_shape)
+        if self.spec_policy == "adaptive":  # the same for the adaptive policy's budgets
+            adaptive_shapes(self.spec_adaptive_shapes, some_shape)
         if not self.connect_timeout_s > 0:
             raise ValueError(f"--connect-timeout-s must be > 0 (got {self.connect_timeout_s})")
 

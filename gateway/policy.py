@@ -8,19 +8,23 @@ Three modes build it:
 * table: the user's table, ``--spec-policy-table "4:8/4/4,16:4/1/4,64:0"``
   (max batch size: num_draft_tokens/topk/num_steps, or 0 for off);
 * adaptive: :class:`AdaptivePolicy` measures, per batch-size bucket, the
-  target's step time with and without speculation and the tokens a
-  speculative step yields, and speculates where that gives more tokens per
-  second, judging short runs of the mode not in use against the steps just
-  before them, with a margin against flapping.
+  target's step time without speculation and with each of a few draft
+  budgets (by default the draft's shape and a chain of 3 nodes), and the
+  tokens a speculative step of each yields, and uses the budget (or none)
+  that gives the most tokens per second, judging short runs of another
+  budget against the steps on both sides of them, with a margin against
+  flapping.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from splitspec.tree import SMALL_CHAIN
 from splitspec.v1 import common_pb2, target_pb2
 
 log = logging.getLogger(__name__)
@@ -70,6 +74,41 @@ def describe_policy(policy: target_pb2.SpecPolicy) -> str:
     return "; ".join(parts)
 
 
+def parse_shape(text: str, default: common_pb2.DraftShape) -> common_pb2.DraftShape:
+    """``"8/4/4"`` (nodes/topk/depth) or ``"8"`` (topk and depth from ``default``); ``"0"``
+    is off. ValueError says what is wrong."""
+    try:
+        fields = [int(x) for x in text.split("/")]
+    except ValueError:
+        fields = []
+    if len(fields) not in (1, 3) or min(fields) < 0:
+        raise ValueError(f"draft shape {text.strip()!r} is not NODES or NODES/TOPK/STEPS")
+    nodes, topk, steps = (*fields, default.topk, default.num_steps)[:3]
+    return OFF if nodes == 0 else common_pb2.DraftShape(num_draft_tokens=nodes, topk=topk,
+                                                         num_steps=steps)
+
+
+# The small budget the adaptive policy tries besides the draft's own shape: a chain of 3 nodes.
+# Under load a verify step is bound by its GEMMs' rows (batch x (nodes + 1)), and on an H200 at
+# 16-64 streams a chain of 3 beat both plain decoding and the 8-node tree (docs/benchmarks.md).
+SMALL_BUDGET = common_pb2.DraftShape(num_draft_tokens=SMALL_CHAIN, topk=1, num_steps=SMALL_CHAIN)
+
+
+def adaptive_shapes(spec: str, default: common_pb2.DraftShape) -> list[common_pb2.DraftShape]:
+    """The budgets the adaptive policy chooses among besides off: ``spec`` as
+    ``"8/4/4,3/1/3"`` (each NODES[/TOPK/STEPS]), or when empty ``default`` and SMALL_BUDGET
+    (``default`` alone when it is no larger). ValueError says what is wrong."""
+    if not spec.strip():
+        small = default.num_draft_tokens > SMALL_BUDGET.num_draft_tokens
+        return [default, SMALL_BUDGET] if small else [default]
+    shapes = [parse_shape(part, default) for part in spec.split(",") if part.strip()]
+    nodes = [shape.num_draft_tokens for shape in shapes]
+    if not shapes or 0 in nodes or len(set(nodes)) != len(nodes):
+        raise ValueError(f"adaptive shapes {spec!r}: give one or more budgets of different "
+                         "node counts, none 0 (off is always a choice)")
+    return shapes
+
+
 def parse_table(spec: str, default: common_pb2.DraftShape) -> target_pb2.SpecPolicy:
     """``"4:8/4/4,16:4,64:0"`` -> a policy; a shape may give only the node count (the rest
     from ``default``); ``*`` as the batch size means any. ValueError says what is wrong."""
@@ -81,12 +120,7 @@ def parse_table(spec: str, default: common_pb2.DraftShape) -> target_pb2.SpecPol
         max_batch = ANY_BATCH_SIZE if limit.strip() == "*" else int(limit)
         if max_batch <= last:
             raise ValueError(f"policy table batch sizes must increase: {max_batch} after {last}")
-        fields = [int(x) for x in shape_text.split("/")]
-        if len(fields) not in (1, 3) or min(fields) < 0:
-            raise ValueError(f"policy table shape {shape_text!r} is not NODES or NODES/TOPK/STEPS")
-        nodes, topk, steps = (*fields, default.topk, default.num_steps)[:3]
-        shape = OFF if nodes == 0 else common_pb2.DraftShape(num_draft_tokens=nodes, topk=topk,
-                                                              num_steps=steps)
+        shape = parse_shape(shape_text, default)
         entries.append(target_pb2.SpecPolicy.Entry(max_batch_size=max_batch, shape=shape))
         last = max_batch
     if not entries:
@@ -114,85 +148,112 @@ def mean_period(samples: list[tuple[float, float]]) -> float:
     return sum(period for period, _ in samples) / len(samples)
 
 
+def _deques(maxlen: int) -> defaultdict:
+    return defaultdict(lambda: deque(maxlen=maxlen))
+
+
 @dataclass
 class _Bucket:
-    """What was measured at one batch-size bucket."""
+    """What was measured at one batch-size bucket. Modes are indices into
+    :attr:`AdaptivePolicy.modes` (0: off); "the other modes" are those not in use."""
 
     window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (period_s, gain) of
     # the mode in use since the last probe was judged (the sudden-drop check)
-    gains: deque = field(default_factory=lambda: deque(maxlen=GAINS))  # of speculative steps
-    on_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))   # batch sizes of on
-    off_batch: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # ... and of off
-    is_on: bool = True        # the decision (until decided: the nearest decided bucket's)
+    gains: defaultdict = field(default_factory=lambda: _deques(GAINS))  # per speculative mode
+    batches: defaultdict = field(default_factory=lambda: _deques(WINDOW))  # batch sizes per mode
+    mode: int = 1             # the mode in use (until decided: the nearest decided bucket's)
     decided: bool = False     # judged at least one probe of its own
-    probe_left: int = 0       # steps left measuring the other mode
+    probing: int = 0          # the mode of the current or last probe
+    probe_left: int = 0       # steps left measuring it
     after_left: int = 0       # steps of the mode in use left to measure after a probe
-    since_probe: int = 0
+    since: defaultdict = field(default_factory=lambda: defaultdict(int))  # steps since each
+    # other mode's last probe
     before: list = field(default_factory=list)  # the mode in use's steps just before the probe
-    probe: list = field(default_factory=list)   # this probe's samples of the other mode
+    probe: list = field(default_factory=list)   # this probe's samples
     after: list = field(default_factory=list)   # ... and the mode in use's just after it
-    ratios: deque = field(default_factory=lambda: deque(maxlen=PAIRS))  # on / off, per probe
-    clear_streak: int = 0     # probes in a row that found the mode in use far ahead
+    ratios: defaultdict = field(default_factory=lambda: _deques(PAIRS))  # per other mode: its
+    # rate over the mode in use's, per probe
+    streaks: defaultdict = field(default_factory=lambda: defaultdict(int))  # per other mode:
+    # probes in a row that found it far behind
+    costs: defaultdict = field(default_factory=lambda: defaultdict(lambda: 1.0))  # per other
+    # mode: its step time over the mode in use's (last probe)
     reference: float = 0.0    # the mode in use's rate when the last probe was judged
-    probe_cost: float = 1.0   # the other mode's step time over the mode in use's (last probe)
     fresh: bool = False       # the probe's next step is its first (left out)
     settling: bool = False    # the mode in use's next step is its first after a probe (left out)
 
-    def describe(self, on: float, off: float) -> str:
-        """The rates a decision was made on, and the batch sizes they were measured at."""
-        return (f"{on:.1f} vs {off:.1f} tok/s per sequence in the last probe, mean on/off "
-                f"{sum(self.ratios) / len(self.ratios):.2f} over {len(self.ratios)} probe(s), "
-                f"measured at mean batch {sum(self.on_batch) / len(self.on_batch):.1f} on and "
-                f"{sum(self.off_batch) / len(self.off_batch):.1f} off")
+    @property
+    def is_on(self) -> bool:
+        """Speculating (with whichever budget)."""
+        return self.mode != 0
+
+    @property
+    def clear_streak(self) -> int:
+        return max(self.streaks.values(), default=0)
+
+
+def describe_mode(shape: common_pb2.DraftShape) -> str:
+    return (f"{shape.num_draft_tokens}/{shape.topk}/{shape.num_steps}"
+            if shape.num_draft_tokens else "off")
 
 
 class AdaptivePolicy:
-    """Chooses speculation on or off per batch-size bucket from measured step statistics.
+    """Chooses, per batch-size bucket, speculation off or one of a few draft budgets from
+    measured step statistics.
 
-    The mode in use is measured at every step; every ``probe_every`` steps the
-    other mode runs for ``probe_steps`` steps (a probe). A probe is judged
+    The mode in use is measured at every step; every ``probe_every`` steps
+    another mode runs for ``probe_steps`` steps (a probe). A probe is judged
     against the mode in use's ``probe_steps`` steps on either side of it: a
-    paired on/off ratio of tokens per second per sequence, from steps close in
+    paired ratio of tokens per second per sequence, from steps close in
     time, so drift (a machine that slows down, a busy neighbour for a second,
     a workload that changes) hits both sides alike. A step's time is what
-    drifts; speculation's tokens per step do not (they depend on the draft and
-    the text), and a few steps of them are noisy (0 to depth+1 accepted), so a
-    ratio takes the step times from the sandwich and the tokens per
-    speculative step from the last GAINS of them. The first step of each mode
-    after a change of mode is left out (turning speculation back on begins
-    with the draft's catch-up). Invariant: a bucket switches only when a probe
-    is judged and the mean of its last PAIRS ratios favours the other mode by
-    more than ``margin`` (relative), so per-step noise does not make it flap.
-    The margin is 2 %: a bucket can stay in a mode up to a margin behind the
-    other, and the policy's aim is to stay within 3 % of the better mode (a
-    margin of 5 % let a bucket sit for good in a mode 4 % behind).
+    drifts; speculation's tokens per step do not (they depend on the draft,
+    the budget and the text), and a few steps of them are noisy (0 to
+    depth+1 accepted), so a ratio takes the step times from the sandwich and
+    the tokens per speculative step of each budget from its last GAINS steps.
+    The first step of each mode after a change of mode is left out (turning
+    speculation back on begins with the draft's catch-up). Steps that also
+    prefill prompts count: a prompt's cost depends on the mode (added to a
+    decode step that reading the weights bounds it is nearly free; added to a
+    verify step bound by its GEMMs it costs its full compute; on an H200 at 32
+    streams 1.4 ms against 8 ms). Invariant: a bucket switches only when a
+    probe is judged and the mean of that mode's last PAIRS ratios favours it
+    by more than ``margin`` (relative), so per-step noise does not make it
+    flap. The margin is 2 %: a bucket can stay in a mode up to a margin
+    behind another, and the policy's aim is to stay within 3 % of the best
+    (a margin of 5 % let a bucket sit for good in a mode 4 % behind).
 
-    Probes are spaced by time, not by steps: when the other mode's steps take
-    k times as long as the mode in use's (k > 1), the interval is k times
-    ``probe_every`` steps, so a probe costs the same share of the time
-    whichever mode is in use (on an H200 at 32 streams a verify step took 3.5
-    plain ones, and probes spaced by steps took a fifth of the time there).
-    Each probe in a row that finds the mode in use ahead by more than
-    ``clear`` (relative, 20 %) doubles the interval to the next, up to
-    ``2**max_doublings`` times (re-measuring a mode that is far behind costs
-    tokens and says little); a closer call or a switch resets it. A change of
-    workload that makes the mode in use much worse is seen within WINDOW steps:
-    when its rate over a full window falls ``sudden`` (40 %) below its rate at
-    the last probe, the next probe starts then (a shorter, gentler trigger
-    fires on noise and probes every few dozen steps).
+    Each other mode has its own probe schedule, spaced by time, not by
+    steps: when its steps take k times as long as the mode in use's (k > 1),
+    its interval is k times ``probe_every`` steps, so a probe costs the same
+    share of the time whichever mode is in use (on an H200 at 32 streams a
+    verify step took 3.5 plain ones). Each probe in a row that finds the mode
+    in use ahead by more than ``clear`` (relative, 20 %) doubles that mode's
+    interval, up to ``2**max_doublings`` times (re-measuring a mode that is
+    far behind costs tokens and says little); a closer call or a switch
+    resets it. When several modes are due, the most overdue is probed. A
+    change of workload that makes the mode in use much worse is seen within
+    WINDOW steps: when its rate over a full window falls ``sudden`` (40 %)
+    below its rate at the last probe, the next probe starts then (a shorter,
+    gentler trigger fires on noise and probes every few dozen steps).
 
     A bucket that has not yet judged a probe of its own follows the nearest
     bucket that has (the best mode changes slowly with the batch size), and
-    first probes after ``first_probe`` steps of its own: buckets a workload only
-    passes through (the tail of a wave of requests) then cost nothing, where
-    probing each on its first steps ran most of those steps without
-    speculation.
+    first probes each other mode after ``first_probe`` steps of its own:
+    buckets a workload only passes through (the tail of a wave of requests)
+    then cost nothing, where probing each on its first steps ran most of those
+    steps without speculation. Every bucket starts with the first budget.
     """
 
-    def __init__(self, shape: common_pb2.DraftShape, margin: float = 0.02, min_samples: int = 8,
-                 probe_every: int = 100, probe_steps: int = 8, clear: float = 0.2,
-                 max_doublings: int = 4, first_probe: int = 16, sudden: float = 0.4) -> None:
-        self.shape = shape
+    def __init__(self, shapes: Sequence[common_pb2.DraftShape], margin: float = 0.02,
+                 min_samples: int = 8, probe_every: int = 100, probe_steps: int = 8,
+                 clear: float = 0.2, max_doublings: int = 4, first_probe: int = 16,
+                 sudden: float = 0.4) -> None:
+        nodes = [shape.num_draft_tokens for shape in shapes]
+        if not shapes or 0 in nodes or len(set(nodes)) != len(nodes):
+            raise ValueError(f"AdaptivePolicy needs budgets of different, non-zero node "
+                             f"counts (got {nodes})")
+        self.modes = [OFF, *shapes]  # mode 0: off
+        self._by_budget = {n: i for i, n in enumerate(nodes, start=1)}
         self.first_probe = first_probe
         self.margin = margin
         self.clear, self.max_doublings, self.sudden = clear, max_doublings, sudden
@@ -204,40 +265,57 @@ class AdaptivePolicy:
     def policy(self) -> target_pb2.SpecPolicy:
         return self._policy
 
+    def _mode_of(self, stats: target_pb2.StepStats) -> int | None:
+        """The mode a step ran: off, or the budget its tree size names (a target that does not
+        report the size: the one budget there is); None for a size this policy never sent."""
+        if not stats.speculated:
+            return 0
+        if not stats.tree_budget and len(self.modes) == 2:
+            return 1
+        return self._by_budget.get(stats.tree_budget)
+
     def observe(self, stats: target_pb2.StepStats) -> target_pb2.SpecPolicy | None:
         """Learn from one decode step; returns the new policy when it changed."""
-        if stats.prefill_tokens or stats.batch_size == 0 or stats.period_s <= 0:
-            return None  # prefill steps say nothing about decode speed
+        mode = self._mode_of(stats)
+        if stats.batch_size == 0 or stats.period_s <= 0 or mode is None:
+            return None  # prompts alone say nothing about decode speed
         size = bucket_of(stats.batch_size)
         bucket = self.buckets[size]
         # The step's period (not its own time): the loop's work between steps is paid once per
         # step, so it weighs more on plain decoding's many short steps. The gain counts the
         # tokens committed, not accepted ones that max_new_tokens then dropped.
-        gain = max(stats.committed_tokens / stats.batch_size - 1, 0.0) if stats.speculated else 0.0
+        gain = max(stats.committed_tokens / stats.batch_size - 1, 0.0) if mode else 0.0
         sample = (stats.period_s, gain)
         counted = False
-        if stats.speculated == bucket.is_on:
+        if mode == bucket.mode:
             if bucket.settling:  # the first step back after a probe
                 bucket.settling = False
             elif not bucket.probe_left:  # (a probe's steps the target ran late are left out)
                 # the steps after a probe are judged with it (the window starts over then)
                 (bucket.after if bucket.after_left else bucket.window).append(sample)
                 counted = True
-        elif bucket.probe_left:
+        elif bucket.probe_left and mode == bucket.probing:
             if bucket.fresh:  # a probe's first step: the change of mode
                 bucket.fresh = False
             else:
                 bucket.probe.append(sample)
                 counted = True
-        if counted and stats.speculated:
-            bucket.gains.append(gain)
-        (bucket.on_batch if stats.speculated else bucket.off_batch).append(stats.batch_size)
+        if counted and mode:
+            bucket.gains[mode].append(gain)
+        bucket.batches[mode].append(stats.batch_size)
         self._decide(bucket, size)
         policy = self._build()
         if policy == self._policy:
             return None
         self._policy = policy
         return policy
+
+    def _interval(self, bucket: _Bucket, mode: int) -> int:
+        """Steps of the mode in use between probes of ``mode``."""
+        if not bucket.ratios[mode]:
+            return self.first_probe
+        return (round(self.probe_every * max(bucket.costs[mode], 1.0))
+                << min(bucket.streaks[mode], self.max_doublings))
 
     def _decide(self, bucket: _Bucket, size: int) -> None:
         if bucket.probe_left:
@@ -251,70 +329,96 @@ class AdaptivePolicy:
             if bucket.after_left == 0:
                 self._judge(bucket, size)
             return
-        bucket.since_probe += 1
+        others = [m for m in range(len(self.modes)) if m != bucket.mode]
+        for m in others:
+            bucket.since[m] += 1
         if len(bucket.window) < self.min_samples:
             return
-        interval = (round(self.probe_every * max(bucket.probe_cost, 1.0))
-                    << min(bucket.clear_streak, self.max_doublings)
-                    if bucket.ratios else self.first_probe)
+        due = {m: bucket.since[m] / self._interval(bucket, m) for m in others}
+        chosen = max(due, key=due.__getitem__)  # the most overdue (on a tie, the smaller)
         sudden = (bool(bucket.reference) and len(bucket.window) == WINDOW
                   and rate(list(bucket.window)) < bucket.reference * (1 - self.sudden))
-        if sudden or bucket.since_probe >= interval:
-            bucket.probe_left, bucket.since_probe, bucket.probe = self.probe_steps, 0, []
+        if sudden or due[chosen] >= 1:
+            bucket.probing, bucket.probe_left, bucket.probe = chosen, self.probe_steps, []
+            bucket.since[chosen] = 0
             bucket.before = list(bucket.window)[-self.probe_steps:]
             bucket.fresh = True
 
-    def _rates(self, bucket: _Bucket, current: list, other: list) -> tuple[float, float]:
-        """(on, off) tokens per second per sequence: step times from the samples, tokens per
-        speculative step from the last GAINS speculative steps."""
-        gain = sum(bucket.gains) / len(bucket.gains) if bucket.gains else 0.0
-        on, off = (current, other) if bucket.is_on else (other, current)
-        return (1 + gain) / mean_period(on), 1 / mean_period(off)
+    def _rate(self, bucket: _Bucket, mode: int, samples: list) -> float:
+        """Tokens per second per sequence of ``mode``: step times from the samples, tokens
+        per speculative step from that budget's last GAINS steps."""
+        gains = bucket.gains[mode] if mode else ()
+        gain = sum(gains) / len(gains) if gains else 0.0
+        return (1 + gain) / mean_period(samples)
 
     def _judge(self, bucket: _Bucket, size: int) -> None:
         """A probe and the steps after it ended: its paired ratio, and the decision on the
-        last PAIRS of them."""
+        last PAIRS of that mode's."""
         current = bucket.before + bucket.after
         bucket.window.clear()
+        other = bucket.probing
         if len(bucket.probe) < 2 or not current:
             return  # the target applied the probe too late to measure it: no judgement
-        on, off = self._rates(bucket, current, bucket.probe)
-        bucket.probe_cost = mean_period(bucket.probe) / mean_period(current)
-        bucket.ratios.append(on / off)
+        mine = self._rate(bucket, bucket.mode, current)
+        theirs = self._rate(bucket, other, bucket.probe)
+        bucket.costs[other] = mean_period(bucket.probe) / mean_period(current)
+        bucket.ratios[other].append(theirs / mine)
         bucket.decided = True
-        ahead = 1 + self.clear
-        clear = on / off > ahead if bucket.is_on else off / on > ahead
-        bucket.clear_streak = bucket.clear_streak + 1 if clear else 0
-        mean = sum(bucket.ratios) / len(bucket.ratios)
-        bucket.reference = on if bucket.is_on else off
-        if (mean < 1 - self.margin) if bucket.is_on else (mean > 1 + self.margin):
-            # the next step changes mode (after the steps that followed the probe)
-            bucket.is_on, bucket.clear_streak, bucket.settling = not bucket.is_on, 0, True
-            bucket.reference = on if bucket.is_on else off
-            bucket.probe_cost = 1 / bucket.probe_cost  # the old mode is now the other one
-            log.info("batch <= %d: speculation %s (%s)", size, "on" if bucket.is_on else "off",
-                     bucket.describe(on, off))
+        clear = mine / theirs > 1 + self.clear
+        bucket.streaks[other] = bucket.streaks[other] + 1 if clear else 0
+        bucket.reference = mine
+        mean = sum(bucket.ratios[other]) / len(bucket.ratios[other])
+        if mean > 1 + self.margin:
+            was = bucket.mode
+            self._switch(bucket, other)
+            log.info("batch <= %d: speculation %s, was %s (%.1f vs %.1f tok/s per sequence in "
+                     "the last probe, mean ratio %.2f over %d probe(s), measured at mean batch "
+                     "%.1f and %.1f)", size, describe_mode(self.modes[other]),
+                     describe_mode(self.modes[was]), theirs, mine, mean,
+                     len(bucket.ratios[was]), _mean(bucket.batches[other]),
+                     _mean(bucket.batches[was]))
+            bucket.reference = theirs
+
+    def _switch(self, bucket: _Bucket, new: int) -> None:
+        """Make ``new`` the mode in use (after the steps that followed its probe): every other
+        mode's ratios and step-time ratio are restated against it."""
+        old = bucket.mode
+        gain = sum(bucket.ratios[new]) / len(bucket.ratios[new])  # new over old
+        cost = bucket.costs.pop(new)
+        ratios = bucket.ratios.pop(new)
+        for m in list(bucket.ratios):
+            bucket.ratios[m] = deque((r / gain for r in bucket.ratios[m]), maxlen=PAIRS)
+            bucket.costs[m] = bucket.costs[m] / cost
+        bucket.ratios[old] = deque((1 / r for r in ratios), maxlen=PAIRS)
+        bucket.costs[old] = 1 / cost
+        bucket.streaks.clear()
+        bucket.since.pop(new, None)
+        bucket.since[old] = 0
+        bucket.mode, bucket.settling = new, True
 
     def _follow_neighbours(self) -> None:
-        """Undecided buckets take the decision of the nearest decided one (the smaller on a
-        tie); with none decided, they stay on. A bucket in a probe or in the steps after it
-        keeps its mode until that probe is judged (its samples are sorted by that mode)."""
+        """Undecided buckets take the mode of the nearest decided one (the smaller on a tie);
+        with none decided, they keep the first budget. A bucket in a probe or in the steps
+        after it keeps its mode until that probe is judged (its samples are sorted by mode)."""
         decided = [i for i, b in enumerate(self.buckets.values()) if b.decided]
         if not decided:
             return
         buckets = list(self.buckets.values())
         for i, bucket in enumerate(buckets):
             if not bucket.decided and not (bucket.probe_left or bucket.after_left):
-                bucket.is_on = buckets[min(decided, key=lambda j: (abs(j - i), j))].is_on
+                bucket.mode = buckets[min(decided, key=lambda j: (abs(j - i), j))].mode
 
     def _build(self) -> target_pb2.SpecPolicy:
         self._follow_neighbours()
         entries: list[target_pb2.SpecPolicy.Entry] = []
         for size, bucket in self.buckets.items():
-            speculate = bucket.is_on != (bucket.probe_left > 0)
-            shape = self.shape if speculate else OFF
+            shape = self.modes[bucket.probing if bucket.probe_left else bucket.mode]
             if entries and entries[-1].shape == shape:
                 entries[-1].max_batch_size = size
             else:
                 entries.append(target_pb2.SpecPolicy.Entry(max_batch_size=size, shape=shape))
         return target_pb2.SpecPolicy(entries=entries)
+
+
+def _mean(values: deque) -> float:
+    return sum(values) / len(values) if values else float("nan")

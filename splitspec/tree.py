@@ -19,6 +19,10 @@ from typing import NamedTuple
 import torch
 
 PROPOSAL_SUM_TOLERANCE = 1e-3  # |sum(q) - 1| allowed for a proposal sent as float32
+# The small budget, a chain of this many nodes, that the gateway's adaptive policy tries
+# besides the draft's own shape (under load a verify step's cost grows with its rows); the
+# target captures verify graphs for it by default.
+SMALL_CHAIN = 3
 
 
 class Proposal(NamedTuple):

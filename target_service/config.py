@@ -8,6 +8,7 @@ from pathlib import Path
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.config_args import option
 from splitspec.model.loader import CPU_THREADS_HELP, DEFAULT_CPU_THREADS
+from splitspec.tree import SMALL_CHAIN
 
 
 @dataclass(frozen=True)
@@ -33,9 +34,10 @@ class TargetConfig:
     prefill_graph_tokens: int = option(512, "prompt tokens of a step up to which its prefill "
                                        "replays a CUDA graph (0: prompts always run eagerly)")
     graph_tree_sizes: str = option("", "tree sizes (nodes, comma-separated) whose verify steps "
-                                   "replay CUDA graphs; empty = --num-draft-tokens alone. A "
-                                   "size the gateway's policy asks for without a graph is "
-                                   "verified eagerly (slower, the same tokens)")
+                                   "replay CUDA graphs; empty = --num-draft-tokens and 3 (the "
+                                   "small budget of the gateway's adaptive policy). A size "
+                                   "the gateway asks for without a graph is verified eagerly "
+                                   "(slower, the same tokens)")
     max_running: int = option(32, "sequences decoded at once")
     max_context: int = option(1024, "prompt + generated tokens per sequence")
     page_size: int = option(16, "KV-cache page size in tokens")
@@ -58,7 +60,7 @@ class TargetConfig:
         """The tree sizes of --graph-tree-sizes, ascending (ValueError says what is wrong)."""
         text = self.graph_tree_sizes.strip()
         if not text:
-            return (self.num_draft_tokens,)
+            return tuple(sorted({self.num_draft_tokens, SMALL_CHAIN}))
         try:
             sizes = sorted({int(part) for part in text.split(",")})
         except ValueError:

@@ -173,6 +173,9 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         assert accepted > 0.5 * depth, entry["accepted_per_verify_step"]  # R = 0: ~depth
         assert entry["draft_trees"]["ON"][0] > 0 and entry["replay_misses"]["ON"] == [0]
         assert entry["draft_trees"]["OFF"] == [0]
+        assert entry["budget_step_shares"]["OFF"] == [{"0": 1.0}]
+        assert entry["budget_step_shares"]["ON"] == [{"8": 1.0}]  # (every step speculated)
+        assert set(entry["budget_step_shares"]["adaptive"][0]) <= {"0", "3", "8"}
         work = sum(bc.request_lengths(entry["num_prompts"], 8, 0.5))  # the spread lengths
         for mode, rates in entry["tokens_per_s"].items():
             assert round(rates[0] * entry["wall_s"][mode][0]) == work, mode

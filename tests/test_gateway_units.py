@@ -389,6 +389,8 @@ def test_config_rejects_bad_values() -> None:
         GatewayConfig(max_queued=-1)
     with pytest.raises(ValueError, match="--log-level"):
         GatewayConfig(log_level="LOUD")
+    with pytest.raises(ValueError, match="different node counts"):
+        GatewayConfig(spec_policy="adaptive", spec_adaptive_shapes="8/4/4,8/1/8")
 
 
 def test_every_flag_has_help() -> None:

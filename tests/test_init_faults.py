@@ -117,3 +117,22 @@ def test_negative_cpu_threads_fails_load_model(draft, tmp_path):
     failed = [s for s in json.loads(report.read_text())["steps"] if s["state"] == "FAILED"]
     assert [s["name"] for s in failed] == ["load_model"]
     assert "--cpu-threads" in failed[0]["error_message"]
+
+
+@pytest.mark.parametrize(("sizes", "message"), [("2,x", "not comma-separated node counts"),
+                                                ("0,8", "each size must be 1 to 64")])
+def test_bad_graph_tree_sizes_are_a_usage_error(sizes, message, capsys):
+    """Refused before start-up (no init step runs), saying what is wrong."""
+    from target_service.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--graph-tree-sizes", sizes])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_graph_tree_sizes_default_to_the_tree_and_the_small_chain():
+    from target_service.config import TargetConfig
+
+    assert TargetConfig().verify_graph_sizes == (3, 8)
+    assert TargetConfig(num_draft_tokens=2).verify_graph_sizes == (2, 3)
+    assert TargetConfig(graph_tree_sizes="8, 2,8").verify_graph_sizes == (2, 8)

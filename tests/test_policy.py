@@ -2,7 +2,7 @@
 
 import pytest
 
-from gateway.policy import ANY_BATCH_SIZE, AdaptivePolicy, bucket_of, parse_table
+from gateway.policy import ANY_BATCH_SIZE, AdaptivePolicy, adaptive_shapes, bucket_of, parse_table
 from splitspec.v1 import common_pb2, target_pb2
 from target_service.engine import NO_SPECULATION, shape_for
 
@@ -52,7 +52,7 @@ def speculates(policy: AdaptivePolicy, batch: int) -> bool:
 
 
 def test_adaptive_speculates_where_it_pays_and_not_where_it_does_not():
-    policy = AdaptivePolicy(DEFAULT, probe_every=1000)
+    policy = AdaptivePolicy([DEFAULT], probe_every=1000)
     # batch 1: a speculative step takes 2x a plain one but yields 2.5 tokens -> on.
     run(policy, 1, on_s=0.010, off_s=0.005, gain=1.5, steps=40)
     # batch 32: it takes 3x and yields 1.5 tokens per sequence -> off.
@@ -63,14 +63,14 @@ def test_adaptive_speculates_where_it_pays_and_not_where_it_does_not():
 
 
 def test_adaptive_does_not_flap_between_near_equal_modes():
-    policy = AdaptivePolicy(DEFAULT, probe_every=1000)
+    policy = AdaptivePolicy([DEFAULT], probe_every=1000)
     run(policy, 4, on_s=0.0101, off_s=0.005, gain=1.0, steps=40)  # settle: within the margin
     changes = run(policy, 4, on_s=0.0101, off_s=0.005, gain=1.0, steps=200)
     assert changes == []
 
 
 def test_adaptive_follows_a_change_of_workload():
-    policy = AdaptivePolicy(DEFAULT, probe_every=50)
+    policy = AdaptivePolicy([DEFAULT], probe_every=50)
     run(policy, 2, on_s=0.010, off_s=0.005, gain=2.0, steps=60)
     assert policy.buckets[2].is_on
     run(policy, 2, on_s=0.010, off_s=0.005, gain=0.2, steps=300)  # the draft got worse
@@ -83,7 +83,7 @@ def test_adaptive_holds_on_through_noisy_acceptance():
     import random
 
     rng = random.Random(0)
-    policy = AdaptivePolicy(DEFAULT)
+    policy = AdaptivePolicy([DEFAULT])
     off_steps = 0
     for i in range(2000):
         speculate = speculates(policy, 1)
@@ -99,7 +99,7 @@ def test_adaptive_probes_rarely_when_the_winner_is_clear():
     """2x apart: each probe that confirms the winner doubles the interval to the next (100,
     200, ... 1600 steps), so OFF runs under 1 % of the steps; a close call (within 4
     margins) keeps the every-100 rhythm."""
-    clear, close = AdaptivePolicy(DEFAULT), AdaptivePolicy(DEFAULT)
+    clear, close = AdaptivePolicy([DEFAULT]), AdaptivePolicy([DEFAULT])
     off_clear = off_close = 0
     probes_clear = []
     for i in range(6000):
@@ -122,7 +122,7 @@ def test_adaptive_spaces_probes_by_time_not_steps():
     """OFF in use at 32 streams, ON 10 % behind (within the backoff's 20 %) with verify steps
     3.5 times as long as plain ones (the H200's figures): probes every 100 steps would
     spend 22 % of the time speculating; spaced by time, under 10 %."""
-    policy = AdaptivePolicy(DEFAULT)
+    policy = AdaptivePolicy([DEFAULT])
     spent = {True: 0.0, False: 0.0}
     for i in range(8000):
         on = speculates(policy, 32)
@@ -138,7 +138,7 @@ def test_adaptive_spaces_probes_by_time_not_steps():
 def test_adaptive_backoff_resets_when_the_call_gets_close():
     """After the interval has grown, a workload where ON only barely wins brings the
     every-100 probing back."""
-    policy = AdaptivePolicy(DEFAULT)
+    policy = AdaptivePolicy([DEFAULT])
     run(policy, 1, on_s=0.010, off_s=0.005, gain=3, steps=4000)
     assert policy.buckets[1].clear_streak >= policy.max_doublings
     run(policy, 1, on_s=0.010, off_s=0.0055, gain=1, steps=4000)
@@ -150,7 +150,7 @@ def test_buckets_passed_through_follow_the_nearest_decided_one():
     follow the bucket that decided (no speculation-off probes on their first steps), both
     when it decided on and when it decided off."""
     for on_s, gain, want_on in ((0.010, 2.0, True), (0.030, 0.2, False)):
-        policy = AdaptivePolicy(DEFAULT)
+        policy = AdaptivePolicy([DEFAULT])
         run(policy, 64, on_s=on_s, off_s=0.010, gain=gain, steps=200)
         assert policy.buckets[64].decided and policy.buckets[64].is_on == want_on
         off_steps = 0
@@ -165,7 +165,7 @@ def test_buckets_passed_through_follow_the_nearest_decided_one():
 
 
 def test_a_new_bucket_measures_the_other_mode_after_its_first_steps():
-    policy = AdaptivePolicy(DEFAULT, first_probe=16)
+    policy = AdaptivePolicy([DEFAULT], first_probe=16)
     modes = []
     for _ in range(40):
         speculate = speculates(policy, 1)
@@ -180,7 +180,7 @@ def test_the_policy_judges_by_period_and_committed_tokens():
     step takes 4 ms of its own but 10 ms from the previous step's end, and max_new_tokens cut
     its 3 accepted tokens to none; plain steps take 4 ms and 5 ms. By period and committed
     tokens plain decoding is twice as fast, and the policy turns speculation off."""
-    policy = AdaptivePolicy(DEFAULT)
+    policy = AdaptivePolicy([DEFAULT])
     for _ in range(300):
         speculate = shape_for(policy.policy, 1, DEFAULT).num_draft_tokens > 0
         policy.observe(target_pb2.StepStats(
@@ -195,7 +195,7 @@ def test_adaptive_is_not_fooled_by_a_machine_that_slows_down():
     the steps just before it, so the policy never switches; comparing the mode in use's last
     64 steps with probes spread over the last 800 switched it 10 times and ran 37 % of the
     steps without speculation."""
-    policy = AdaptivePolicy(DEFAULT)
+    policy = AdaptivePolicy([DEFAULT])
     off_steps = 0
     for i in range(6000):
         slow = 1 + abs((i / 300) % 2 - 1)  # 2 -> 1 -> 2 ...
@@ -213,7 +213,7 @@ def test_adaptive_takes_a_four_percent_lead_through_noisy_steps():
     import random
 
     rng = random.Random(1)
-    policy = AdaptivePolicy(DEFAULT)
+    policy = AdaptivePolicy([DEFAULT])
     on_steps = 0
     for i in range(4000):
         on = speculates(policy, 32)
@@ -237,7 +237,7 @@ def test_adaptive_holds_a_ten_percent_lead_through_bursts_of_slowness():
     off_share, switches = [], 0
     for seed in range(5):
         rng = random.Random(seed)
-        policy = AdaptivePolicy(DEFAULT)
+        policy = AdaptivePolicy([DEFAULT])
         off_steps, slow_left, was_on = 0, 0, True
         for i in range(8000):
             if slow_left == 0 and rng.random() < 1 / 150:
@@ -260,7 +260,7 @@ def test_a_bucket_keeps_its_mode_through_its_probe_when_a_neighbour_decides():
     """Bucket 64, undecided and on, starts its first probe; bucket 1 then decides off. Bucket
     64 follows its neighbour only after its own probe is judged: flipping it mid-probe turned
     its probe into speculative steps and sorted its samples into the wrong modes."""
-    policy = AdaptivePolicy(DEFAULT, first_probe=16)
+    policy = AdaptivePolicy([DEFAULT], first_probe=16)
     wide, narrow = policy.buckets[64], policy.buckets[1]
 
     def feed(batch: int, on_s: float, gain: float) -> bool:
@@ -277,4 +277,83 @@ def test_a_bucket_keeps_its_mode_through_its_probe_when_a_neighbour_decides():
     while not wide.decided:
         modes.append(feed(64, 0.010, 2.0))
     assert modes[:8] == [False] * 8 and all(modes[8:]), modes  # the probe, then its mode
-    assert wide.is_on and wide.ratios[-1] > 2.5
+    assert wide.is_on and wide.ratios[0][-1] < 1 / 2.5  # off over on
+
+
+CHAIN = common_pb2.DraftShape(num_draft_tokens=3, topk=1, num_steps=3)
+
+
+def run_budgets(policy: AdaptivePolicy, batch: int, costs: dict[int, tuple[float, float]],
+                steps: int) -> dict[int, int]:
+    """A target that applies the policy at each step: ``costs`` maps a tree budget (0: off)
+    to (period_s, tokens gained per sequence); returns the steps run at each budget."""
+    ran = dict.fromkeys(costs, 0)
+    for _ in range(steps):
+        budget = shape_for(policy.policy, batch, DEFAULT).num_draft_tokens
+        period, gain = costs[budget]
+        ran[budget] += 1
+        policy.observe(target_pb2.StepStats(
+            batch_size=batch, speculated=budget > 0, tree_budget=budget, period_s=period,
+            total_s=period, committed_tokens=batch + round(gain * batch)))
+    return ran
+
+
+def test_adaptive_chooses_the_budget_that_pays_at_each_batch_size():
+    """Off, a chain of 3 and the 8-node tree, with the H200's shape of costs: at batch 1 the
+    tree is ahead of the chain by 4 % and both far ahead of plain decoding; at batch 32 the
+    tree's verify steps are bound by their rows (3x a plain step) while the chain's cost 1.3x,
+    so the chain wins, by 2x over off. Each bucket settles on its winner and spends little
+    time on the others."""
+    policy = AdaptivePolicy([DEFAULT, CHAIN])
+    assert [m.num_draft_tokens for m in policy.modes] == [0, 8, 3]
+    low = run_budgets(policy, 1, {8: (0.010, 3), 3: (0.0078, 2), 0: (0.005, 0)}, 4000)
+    high = run_budgets(policy, 32, {8: (0.030, 2.44), 3: (0.013, 2.04), 0: (0.010, 0)}, 4000)
+    assert policy.buckets[1].mode == 1 and policy.buckets[32].mode == 2
+    assert low[8] > 0.85 * 4000 and low[0] < 0.03 * 4000, low
+    assert high[3] > 0.85 * 4000 and high[8] + high[0] < 0.1 * 4000, high
+
+
+def test_adaptive_counts_the_steps_that_also_prefill():
+    """Speculation wins the steps that only decode (250 against 167 tok/s per sequence) and
+    loses, by more, the steps that also prefill arrivals (83 against 125: the prompts' rows
+    cost their full compute in a verify step bound by its GEMMs), which are 70 % of the steps.
+    Over all steps plain decoding is 30 % ahead, and the policy turns speculation off; leaving
+    the prefilling steps out, as before, kept it on."""
+    import random
+
+    rng = random.Random(2)
+    policy = AdaptivePolicy([DEFAULT])
+    on_steps = 0
+    for i in range(3000):
+        on = speculates(policy, 32)
+        prefill = rng.random() < 0.7
+        period = (0.030 if prefill else 0.010) if on else (0.008 if prefill else 0.006)
+        policy.observe(target_pb2.StepStats(
+            batch_size=32, speculated=on, period_s=period, total_s=period,
+            prefill_tokens=64 if prefill else 0, committed_tokens=32 + (48 if on else 0)))
+        on_steps += on and i > 500
+    assert not policy.buckets[32].is_on
+    assert on_steps < 0.1 * 2500, on_steps
+
+
+def test_steps_of_a_budget_the_policy_never_sent_are_left_out():
+    policy = AdaptivePolicy([DEFAULT, CHAIN])
+    assert policy.observe(target_pb2.StepStats(batch_size=1, speculated=True, tree_budget=5,
+                                               period_s=0.01, committed_tokens=3)) is None
+    assert not policy.buckets[1].window and not policy.buckets[1].batches
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("8/4/4,0", "none 0"), ("8,8/1/8", "different node counts"), ("8/4", "NODES/TOPK/STEPS"),
+    ("x", "NODES/TOPK/STEPS"),
+])
+def test_bad_adaptive_budgets_say_what_is_wrong(text, message):
+    with pytest.raises(ValueError, match=message):
+        adaptive_shapes(text, DEFAULT)
+
+
+def test_adaptive_budgets_default_to_the_draft_shape_and_a_chain_of_3():
+    assert adaptive_shapes("", DEFAULT) == [DEFAULT, CHAIN]
+    assert adaptive_shapes(" ", CHAIN) == [CHAIN]
+    assert adaptive_shapes("8/4/4, 2", DEFAULT) == [
+        DEFAULT, common_pb2.DraftShape(num_draft_tokens=2, topk=4, num_steps=4)]
