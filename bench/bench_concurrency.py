@@ -37,9 +37,9 @@ so plain decoding keeps each wave in step and prefills it in one step, while spe
 ``--modes`` runs fewer modes (OFF and ON always: the ratios are against them). With
 ``--start`` both services get ``--device`` and ``--dtype`` (and ``--max-context`` when
 given); the target runs ``--max-running`` max(32, largest concurrency) sequences and
-captures verify graphs for every budget used, and the draft holds at least as many. The target's init report (each start-up step's seconds and
-detail: how many CUDA graphs were captured, in how long) goes into the JSON as
-``target_init``.
+captures verify graphs for every budget used, and the draft holds at least as many. The
+target's init report (each start-up step's seconds and detail: how many CUDA graphs were
+captured, in how long) goes into the JSON as ``target_init``.
 
 **Replay draft** (``--draft-kind replay``, with ``--start``): measures speed at a known
 acceptance on a target no trained draft agrees with. The script starts the target alone

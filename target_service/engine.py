@@ -354,11 +354,11 @@ class Engine:
         end = time.perf_counter()
         period_start = start if self._period_start is None else self._period_start
         self._period_start = end
+        speculated = any(t.num_nodes for t in trees.values())
         self.last_stats = target_pb2.StepStats(
             step=self._step, batch_size=len(decode),
             prefill_tokens=sum(len(s.prompt_ids) for s in prefill),
-            speculated=any(t.num_nodes for t in trees.values()),
-            tree_budget=budget if trees else 0,
+            speculated=speculated, tree_budget=budget if speculated else 0,
             drafted_tokens=drafted, accepted_tokens=accepted,
             draft_s=forward_start - draft_start, forward_s=forward_end - forward_start,
             total_s=end - start, waiting=len(self.scheduler.waiting),
