@@ -229,8 +229,9 @@ class AdaptivePolicy:
     verify step took 3.5 plain ones). Each probe in a row that finds the mode
     in use ahead by more than ``clear`` (relative, 20 %) doubles that mode's
     interval, up to ``2**max_doublings`` times (re-measuring a mode that is
-    far behind costs tokens and says little); a closer call or a switch
-    resets it. When several modes are due, the most overdue is probed. A
+    far behind costs tokens and says little); a closer call resets it, and so
+    does a switch, but for modes still that far behind the new mode in use.
+    When several modes are due, the most overdue is probed. A
     change of workload that makes the mode in use much worse is seen within
     WINDOW steps: when its rate over a full window falls ``sudden`` (40 %)
     below its rate at the last probe, the next probe starts then (a shorter,
@@ -381,7 +382,10 @@ class AdaptivePolicy:
 
     def _switch(self, bucket: _Bucket, new: int) -> None:
         """Make ``new`` the mode in use (after the steps that followed its probe): every other
-        mode's ratios and step-time ratio are restated against it."""
+        mode's ratios and step-time ratio are restated against it. A mode still far behind
+        keeps its back-off (two close modes that trade places must not bring back frequent
+        probes of one far behind both: at 64 streams on an H200 an 8-node tree's probe steps
+        take 2-5x a plain or chain step); the old mode and the rest start it over."""
         old = bucket.mode
         gain = sum(bucket.ratios[new]) / len(bucket.ratios[new])  # new over old
         cost = bucket.costs.pop(new)
@@ -389,9 +393,12 @@ class AdaptivePolicy:
         for m in list(bucket.ratios):
             bucket.ratios[m] = deque((r / gain for r in bucket.ratios[m]), maxlen=PAIRS)
             bucket.costs[m] = bucket.costs[m] / cost
+            behind = bucket.ratios[m] and max(bucket.ratios[m]) * (1 + self.clear) < 1
+            if not behind:
+                bucket.streaks[m] = 0
         bucket.ratios[old] = deque((1 / r for r in ratios), maxlen=PAIRS)
         bucket.costs[old] = 1 / cost
-        bucket.streaks.clear()
+        bucket.streaks[old] = 0
         bucket.since.pop(new, None)
         bucket.since[old] = 0
         bucket.mode, bucket.settling = new, True

@@ -357,3 +357,24 @@ def test_adaptive_budgets_default_to_the_draft_shape_and_a_chain_of_3():
     assert adaptive_shapes(" ", CHAIN) == [CHAIN]
     assert adaptive_shapes("8/4/4, 2", DEFAULT) == [
         DEFAULT, common_pb2.DraftShape(num_draft_tokens=2, topk=4, num_steps=4)]
+
+
+def test_a_budget_far_behind_keeps_its_back_off_when_two_close_modes_trade_places():
+    """Off and the chain of 3 take the lead in turn every 1500 steps (the bucket switches 7
+    times), and the 8-node tree is far behind both (its steps 3-8x as long). The tree keeps
+    the back-off it earned, so it is probed twice in the last 7500 steps; restarting every
+    mode's back-off at each switch probed it 7 times."""
+    policy = AdaptivePolicy([DEFAULT, CHAIN])
+    tree_steps, switches, was = 0, 0, policy.buckets[32].mode
+    for i in range(9000):
+        chain_s, off_s = (0.020, 0.0080) if (i // 1500) % 2 == 0 else (0.026, 0.0075)
+        budget = shape_for(policy.policy, 32, DEFAULT).num_draft_tokens
+        period, gain = {8: (0.060, 2.44), 3: (chain_s, 2.0), 0: (off_s, 0.0)}[budget]
+        policy.observe(target_pb2.StepStats(
+            batch_size=32, speculated=budget > 0, tree_budget=budget, period_s=period,
+            total_s=period, committed_tokens=32 + round(gain * 32)))
+        tree_steps += budget == 8 and i >= 1500
+        switches += policy.buckets[32].mode != was
+        was = policy.buckets[32].mode
+    assert switches >= 5, switches
+    assert tree_steps <= 3 * policy.probe_steps, tree_steps
