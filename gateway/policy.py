@@ -372,12 +372,12 @@ class AdaptivePolicy:
         if mean > 1 + self.margin:
             was = bucket.mode
             self._switch(bucket, other)
+            new, old = describe_mode(self.modes[other]), describe_mode(self.modes[was])
             log.info("batch <= %d: speculation %s, was %s (%.1f vs %.1f tok/s per sequence in "
-                     "the last probe, mean ratio %.2f over %d probe(s), measured at mean batch "
-                     "%.1f and %.1f)", size, describe_mode(self.modes[other]),
-                     describe_mode(self.modes[was]), theirs, mine, mean,
-                     len(bucket.ratios[was]), _mean(bucket.batches[other]),
-                     _mean(bucket.batches[was]))
+                     "the last probe, mean ratio %.2f over %d probe(s), at mean batch %.1f "
+                     "(%s) and %.1f (%s))", size, new, old, theirs, mine, mean,
+                     len(bucket.ratios[was]), _mean(bucket.batches[other]), new,
+                     _mean(bucket.batches[was]), old)
             bucket.reference = theirs
 
     def _switch(self, bucket: _Bucket, new: int) -> None:
