@@ -77,13 +77,10 @@ def describe_policy(policy: target_pb2.SpecPolicy) -> str:
 def parse_shape(text: str, default: common_pb2.DraftShape) -> common_pb2.DraftShape:
     """``"8/4/4"`` (nodes/topk/depth) or ``"8"`` (topk and depth from ``default``); ``"0"``
     is off. ValueError says what is wrong."""
-    try:
-        fields = [int(x) for x in text.split("/")]
-    except ValueError:
-        fields = []
-    if len(fields) not in (1, 3) or min(fields) < 0:
+    parts = [part.strip() for part in text.split("/")]
+    if len(parts) not in (1, 3) or not all(part.isdigit() for part in parts):
         raise ValueError(f"draft shape {text.strip()!r} is not NODES or NODES/TOPK/STEPS")
-    nodes, topk, steps = (*fields, default.topk, default.num_steps)[:3]
+    nodes, topk, steps = (*map(int, parts), default.topk, default.num_steps)[:3]
     return OFF if nodes == 0 else common_pb2.DraftShape(num_draft_tokens=nodes, topk=topk,
                                                          num_steps=steps)
 
