@@ -61,11 +61,11 @@ class TargetConfig:
         text = self.graph_tree_sizes.strip()
         if not text:
             return tuple(sorted({self.num_draft_tokens, SMALL_CHAIN}))
-        try:
-            sizes = sorted({int(part) for part in text.split(",")})
-        except ValueError:
+        parts = [part.strip() for part in text.split(",")]
+        if not all(part.isdigit() for part in parts):
             raise ValueError(f"--graph-tree-sizes {text!r} is not comma-separated node "
-                             "counts, e.g. 2,8") from None
+                             "counts, e.g. 2,8")
+        sizes = sorted({int(part) for part in parts})
         if sizes[0] < 1 or sizes[-1] > self.max_tree_nodes:
             raise ValueError(f"--graph-tree-sizes {text!r}: each size must be 1 to "
                              f"{self.max_tree_nodes} nodes")

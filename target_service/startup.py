@@ -112,6 +112,7 @@ def load_config(cfg: TargetConfig, where: Placement = ONE_RANK) -> Detailed:
                          f"max_position_embeddings {model_cfg.max_position}; lower --max-context")
     if cfg.num_draft_tokens > cfg.max_tree_nodes or cfg.topk < 1 or cfg.num_steps < 1:
         raise ValueError("--num-draft-tokens, --topk and --num-steps must be positive")
+    cfg.verify_graph_sizes  # noqa: B018 (a bad --graph-tree-sizes fails here, not at capture)
     spec = ModelSpec(model_cfg, tokenizer_sha256(cfg.model))
     return Detailed(spec, f"{cfg.model.name}: {model_cfg.num_layers} layers, vocab {model_cfg.vocab_size}")
 

@@ -121,13 +121,16 @@ def test_negative_cpu_threads_fails_load_model(draft, tmp_path):
 
 @pytest.mark.parametrize(("sizes", "message"), [("2,x", "not comma-separated node counts"),
                                                 ("0,8", "each size must be 1 to 64")])
-def test_bad_graph_tree_sizes_are_a_usage_error(sizes, message, capsys):
-    """Refused before start-up (no init step runs), saying what is wrong."""
-    from target_service.__main__ import parse_args
-
-    with pytest.raises(SystemExit) as exited:
-        parse_args(["--graph-tree-sizes", sizes])
-    assert exited.value.code == 2 and message in capsys.readouterr().err
+def test_bad_graph_tree_sizes_fail_load_config(sizes, message, draft, tmp_path):
+    """Refused in the first step, saying what is wrong, not when the graphs are captured."""
+    report = tmp_path / "report.json"
+    service = Service("target_service", ["--draft", draft.address, "--graph-tree-sizes", sizes,
+                                         "--init-report", str(report)], tmp_path)
+    code, seen = service.wait_exit(timeout_s=60)
+    assert code != 0 and SERVING not in seen
+    failed = [s for s in json.loads(report.read_text())["steps"] if s["state"] == "FAILED"]
+    assert [s["name"] for s in failed] == ["load_config"]
+    assert message in failed[0]["error_message"]
 
 
 def test_graph_tree_sizes_default_to_the_tree_and_the_small_chain():
