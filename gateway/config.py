@@ -29,9 +29,10 @@ class GatewayConfig:
                                  "beyond that requests fail with RESOURCE_EXHAUSTED")
     default_max_new_tokens: int = _flag(128, "max_new_tokens of requests that do not set it "
                                              "(lowered to fit the target's max_context)")
-    spec_policy: str = _flag("static", "speculation policy: static (the threshold below), table "
-                             "(--spec-policy-table) or adaptive (measured per batch size)",
-                             ("static", "table", "adaptive"))
+    spec_policy: str = _flag("adaptive", "speculation policy: adaptive (off or a draft budget "
+                             "per batch size, from measured step times and acceptance), static "
+                             "(--spec-disable-batch-threshold) or table (--spec-policy-table)",
+                             ("adaptive", "static", "table"))
     spec_policy_table: str = _flag("", "with --spec-policy table: MAX_BATCH:NODES[/TOPK/STEPS],... "
                                        "e.g. '4:8/4/4,16:4/1/4,*:0' (0 = off, * = any batch size)")
     spec_adaptive_shapes: str = _flag("", "with --spec-policy adaptive: the draft budgets it "
@@ -39,7 +40,8 @@ class GatewayConfig:
                                           "(empty = the draft shape and a chain of 3 nodes; the "
                                           "target's --graph-tree-sizes should hold each size)")
     spec_disable_batch_threshold: int = _flag(
-        0, "turn speculation off when the decode batch is larger than this (0 = never off)")
+        0, "with --spec-policy static: turn speculation off when the decode batch is larger "
+           "than this (0 = never off)")
     num_draft_tokens: int = _flag(0, "draft tree nodes to verify per step (0 = the target's default)")
     topk: int = _flag(0, "draft tree branching per level, 1 = chain (0 = the target's default)")
     num_steps: int = _flag(0, "draft tree depth (0 = the target's default)")
@@ -60,6 +62,12 @@ class GatewayConfig:
                 f"--default-max-new-tokens must be >= 1 (got {self.default_max_new_tokens})")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"--log-level must be DEBUG, INFO, WARNING or ERROR (got {self.log_level!r})")
+        for flag, value, policy in (("spec-disable-batch-threshold", self.spec_disable_batch_threshold,
+                                     "static"), ("spec-policy-table", self.spec_policy_table, "table"),
+                                    ("spec-adaptive-shapes", self.spec_adaptive_shapes, "adaptive")):
+            if value and self.spec_policy != policy:  # a flag the chosen policy would ignore
+                raise ValueError(f"--{flag} applies to --spec-policy {policy} "
+                                 f"(the policy is {self.spec_policy})")
         some_shape = common_pb2.DraftShape(num_draft_tokens=8, topk=1, num_steps=1)
         if self.spec_policy == "table":  # a bad table fails load_config, saying what is wrong
             parse_table(self.spec_policy_table, some_shape)

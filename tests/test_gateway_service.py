@@ -224,7 +224,8 @@ def test_taken_port_fails_start_server(gateway: RunningGateway, fake: tuple[Fake
 
 def test_threshold_policy(fake: tuple[FakeTarget, int]) -> None:
     target, port = fake
-    running = _start(port, "--spec-disable-batch-threshold", "4", "--topk", "2")
+    running = _start(port, "--spec-policy", "static", "--spec-disable-batch-threshold", "4",
+                     "--topk", "2")
     try:
         entry = target.policies[-1].entries[0]
         assert entry.max_batch_size == 4

@@ -382,6 +382,7 @@ def test_config_defaults_from_parser() -> None:
     assert config == GatewayConfig()
     assert config.address == "127.0.0.1:50051" and config.target == "localhost:50052"
     assert config.max_queued == 256 and config.default_max_new_tokens == 128
+    assert config.spec_policy == "adaptive"  # static always-on was 0.62x OFF at 64 streams
 
 
 def test_config_rejects_bad_values() -> None:
@@ -391,6 +392,20 @@ def test_config_rejects_bad_values() -> None:
         GatewayConfig(log_level="LOUD")
     with pytest.raises(ValueError, match="different node counts"):
         GatewayConfig(spec_policy="adaptive", spec_adaptive_shapes="8/4/4,8/1/8")
+
+
+@pytest.mark.parametrize(("fields", "flag"), [
+    ({"spec_disable_batch_threshold": 8}, "--spec-disable-batch-threshold applies to --spec-policy static"),
+    ({"spec_policy": "static", "spec_policy_table": "4:8"}, "--spec-policy-table applies to --spec-policy table"),
+    ({"spec_policy": "static", "spec_adaptive_shapes": "3"},
+     "--spec-adaptive-shapes applies to --spec-policy adaptive"),
+])
+def test_config_refuses_a_flag_its_policy_would_ignore(fields, flag) -> None:
+    """The seed's --spec-disable-batch-threshold alone would have been ignored silently once
+    adaptive became the default; each policy's own flag now needs that policy."""
+    with pytest.raises(ValueError, match=flag):
+        GatewayConfig(**fields)
+    GatewayConfig(**{**fields, "spec_policy": flag.rsplit(" ", 1)[-1]})
 
 
 def test_every_flag_has_help() -> None:
