@@ -62,9 +62,10 @@ class GatewayConfig:
                 f"--default-max-new-tokens must be >= 1 (got {self.default_max_new_tokens})")
         if not isinstance(logging.getLevelName(self.log_level.upper()), int):
             raise ValueError(f"--log-level must be DEBUG, INFO, WARNING or ERROR (got {self.log_level!r})")
-        for flag, value, policy in (("spec-disable-batch-threshold", self.spec_disable_batch_threshold,
-                                     "static"), ("spec-policy-table", self.spec_policy_table, "table"),
-                                    ("spec-adaptive-shapes", self.spec_adaptive_shapes, "adaptive")):
+        own_flags = (("spec-disable-batch-threshold", self.spec_disable_batch_threshold, "static"),
+                     ("spec-policy-table", self.spec_policy_table, "table"),
+                     ("spec-adaptive-shapes", self.spec_adaptive_shapes, "adaptive"))
+        for flag, value, policy in own_flags:
             if value and self.spec_policy != policy:  # a flag the chosen policy would ignore
                 raise ValueError(f"--{flag} applies to --spec-policy {policy} "
                                  f"(the policy is {self.spec_policy})")
