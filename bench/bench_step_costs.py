@@ -200,7 +200,7 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
             profiled(lambda c=call: runner.forward(c), PROFILE_CALLS, args.profile, f"{key}{suffix}",
                      args.device)
     if graphs is not None:  # the device's share: the decode graph replayed alone
-        graph = graphs.graphs[graphs.key_for(decode.attn, decode.logit_rows, ())].graph
+        graph = graphs.graphs[graphs.plan(decode.attn, decode.logit_rows, ()).key].graph
         result["decode_replay_ms"] = timed(graph.replay, args.warmup, args.iters, args.device)
         print(f"target decode graph replay alone: median "
               f"{statistics.median(result['decode_replay_ms']):.3f} ms", flush=True)

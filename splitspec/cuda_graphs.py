@@ -183,13 +183,6 @@ class StepGraphs:
         key = GraphKey(size, q_len, capture, bucket)
         return StepPlan(key, count, tokens) if key in self.graphs else None
 
-    def key_for(self, seqs: list[SeqAttention], logit_rows: list[int],
-                capture: tuple[int, ...]) -> GraphKey | None:
-        """The graph of a pass without prompts, or None (eager)."""
-        shaped = self._step_shape(seqs, logit_rows)
-        key = None if shaped is None else GraphKey(*shaped, capture)
-        return key if key in self.graphs else None
-
     def _step_shape(self, seqs: list[SeqAttention], logit_rows: list[int]
                     ) -> tuple[int, int] | None:
         """(bucket, q) of decoding or verifying sequences that a graph can run, or None."""
@@ -205,12 +198,6 @@ class StepGraphs:
         if logit_rows != list(range(q_len * len(seqs))):
             return None
         return next(b for b in self.buckets if b >= len(seqs)), q_len
-
-    def run(self, key: GraphKey, ids: torch.Tensor, positions: torch.Tensor,
-            seqs: list[SeqAttention]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay the graph of a pass without prompts (:meth:`key_for`)."""
-        return self.run_plan(StepPlan(key, 0, 0), ids, positions, seqs,
-                             list(range(len(seqs) * key.q_len)))
 
     def run_plan(self, plan: StepPlan, ids: torch.Tensor, positions: torch.Tensor,
                  seqs: list[SeqAttention], logit_rows: list[int]
@@ -228,7 +215,7 @@ class StepGraphs:
             self._plan(g.wrapper, layout, padded, key.q_len)
             if g.trees is not None:
                 g.trees.copy_(torch.stack([seq.tree for seq in padded]), non_blocking=True)
-        wanted = [row for row in logit_rows if row < tokens]
+        wanted = [row for row in logit_rows if row < tokens] if tokens else []
         ids_np, positions_np = ids.cpu().numpy(), positions.cpu().numpy()
         g.copied.synchronize()  # the last replay's inputs have left the pinned buffer
         staging = g.staging

@@ -187,9 +187,9 @@ def graphed_and_eager_runs(steps: int, tree: list[int] | None) -> dict:
                                  for n in lengths]).to("cuda")
                 rows = list(range(q * len(attn)))
                 if graphs is not None:
-                    key = graphs.key_for(attn, rows, (2, 3))
-                    assert key == (4, q, (2, 3), 0)
-                    logits, aux = graphs.run(key, ids, pos, attn)
+                    plan = graphs.plan(attn, rows, (2, 3))
+                    assert plan == ((4, q, (2, 3), 0), 0, 0)
+                    logits, aux = graphs.run_plan(plan, ids, pos, attn, rows)
                 else:
                     ctx = AttentionContext(backend, backend.plan(attn, "cuda"), cache)
                     out = model(ids, pos, ctx, (2, 3))
@@ -240,23 +240,28 @@ def builtin_graphs(buckets: tuple[int, ...], q_lens: tuple[int, ...],
 
 
 def test_graphs_refuse_what_they_did_not_capture():
-    """A prompt, a mixed batch, a tree of another size or a batch over the largest bucket
-    runs eagerly (key_for says None)."""
+    """A prompt (no prompt graphs captured here), a mixed batch, a tree of another size or a
+    batch over the largest bucket runs eagerly (plan says None)."""
     graphs, pool = builtin_graphs((1, 2), (1, 9))
     table = PageTable(PAGE)
     table.reserve(pool, 40)
     decode = SeqAttention(table, 20, 1)
     tree = SeqAttention(table, 29, 9, tree=ancestor_mask(TREE))
-    assert graphs.key_for([decode], [0], ()) == (1, 1, (), 0)
-    assert graphs.key_for([tree, tree], list(range(18)), ()) == (2, 9, (), 0)
-    assert graphs.key_for([SeqAttention(table, 20, 20)], [19], ()) is None       # a prompt
-    assert graphs.key_for([decode, tree], list(range(10)), ()) is None            # mixed
-    assert graphs.key_for([decode] * 3, [0, 1, 2], ()) is None                    # > bucket
-    assert graphs.key_for([decode], [0], (2, 3)) is None                          # features
+
+    def key(seqs: list[SeqAttention], rows: list[int], capture: tuple[int, ...] = ()):
+        plan = graphs.plan(seqs, rows, capture)
+        return None if plan is None else plan.key
+
+    assert key([decode], [0]) == (1, 1, (), 0)
+    assert key([tree, tree], list(range(18))) == (2, 9, (), 0)
+    assert key([SeqAttention(table, 20, 20)], [19]) is None       # a prompt
+    assert key([decode, tree], list(range(10))) is None            # mixed
+    assert key([decode] * 3, [0, 1, 2]) is None                    # > bucket
+    assert key([decode], [0], (2, 3)) is None                      # features
     small = SeqAttention(table, 25, 5, tree=ancestor_mask([0, 0, 1, 2]))
-    assert graphs.key_for([small], list(range(5)), ()) is None                    # tree size
+    assert key([small], list(range(5))) is None                    # tree size
     spelled = SeqAttention(table, 29, 9, verify_mask(TREE, 20))
-    assert graphs.key_for([spelled], list(range(9)), ()) is None                  # full mask
+    assert key([spelled], list(range(9))) is None                  # full mask
 
 
 @pytest.mark.parametrize("tree", [None, TREE], ids=["decode", "verify"])
