@@ -13,7 +13,8 @@
   graph) through ModelRunner against eager steps, and the passes the graphs
   refuse;
 - the target service on the GPU: speculation ON against OFF in bf16 (the
-  share of identical greedy tokens is printed), and a fault injected into
+  share of identical greedy tokens is printed; every divergence must start at
+  a near tie of the float32 model), and a fault injected into
   ``capture_cuda_graphs`` fails start-up naming that step;
 - the draft's tree search: its flashinfer prefix attention against the torch
   one, trees over flashinfer against the torch backend (float16, the share of
@@ -49,6 +50,9 @@ from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.loader import load_llama
 from splitspec.tree import ancestor_mask, positions, verify_mask
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from bench_tp import NEAR_TIE  # bench/ is a script folder, not a package
 
 pytestmark = pytest.mark.gpu
 REPO = Path(__file__).resolve().parent.parent
@@ -383,16 +387,16 @@ def test_capture_fault_fails_startup_naming_the_step(tmp_path):
 def test_speculation_agrees_with_plain_decoding_in_bf16(tmp_path):
     """bench_tp's agreement run at TP=1 on the GPU stack (flashinfer, graphs): greedy ON vs
     OFF in bf16. Verify and decode run different kernels, so a near-tie may flip and the
-    text diverge from there: the bar is a high share of identical tokens (the same bar as
-    the TP agreement test; measured on an H200: 0.887)."""
+    text diverge from there (the share of identical tokens is printed): every divergence
+    must start where the float32 model finds the two tokens within bf16's error."""
     out = tmp_path / "agree.json"
     done = serve(tmp_path, ["bench/bench_tp.py", "--tp", "1", "--device", "cuda", "--dtype",
                             "bfloat16", "--skip-timing", "--out-json", str(out)])
     assert done.returncode == 0, done.stderr[-3000:]
-    shares = json.loads(out.read_text())["agreement"]
-    print(f"ON vs OFF identical greedy tokens (bf16): {shares['tp1 ON']}")
-    assert shares["tp1 OFF"]["identical_tokens"] == 1.0
-    assert shares["tp1 ON"]["identical_tokens"] >= 0.8
+    runs = json.loads(out.read_text())["agreement"]
+    print(f"ON vs OFF identical greedy tokens (bf16): {runs['tp1 ON']['identical_tokens']:.3f}")
+    assert runs["tp1 OFF"]["identical_tokens"] == 1.0
+    assert runs["tp1 ON"]["max_margin"] < NEAR_TIE, runs["tp1 ON"]["divergences"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
