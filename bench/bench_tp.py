@@ -84,6 +84,13 @@ class Process:
 NEAR_TIE = 0.5
 
 
+def graph_details(report: Path) -> list[str]:
+    """Each rank's capture_cuda_graphs detail (rank 0 first), from a target's init report."""
+    data = json.loads(report.read_text())
+    return [next(s["detail"] for s in r["steps"] if s["name"] == "capture_cuda_graphs")
+            for r in (data, *data["ranks"])]
+
+
 def first_difference(out: list[int], ref: list[int]) -> int | None:
     return next((i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), None)
 
@@ -155,12 +162,15 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="bench_tp_"))
     prompts = [load_tokenizer(BUILTIN_TARGET).encode(t) for t in TEXTS]
     result: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-                    "agreement": {}, "step_ms": {}}
+                    "agreement": {}, "graphs": {}, "step_ms": {}}
     with Process("draft_service", ["--model", str(BUILTIN_EAGLE3), *common], logs / "draft.log") as draft:
         outputs = {}
         for tp in sizes:
-            with Process("target_service", ["--draft", draft.address, "--tp", str(tp), *common],
+            report = logs / f"target-tp{tp}.json"
+            with Process("target_service", ["--draft", draft.address, "--tp", str(tp),
+                                            "--init-report", str(report), *common],
                          logs / f"target-tp{tp}.log") as target:
+                result["graphs"][f"tp{tp}"] = graph_details(report)
                 for name, mode in (("OFF", common_pb2.SPECULATION_MODE_OFF),
                                    ("ON", common_pb2.SPECULATION_MODE_ON)):
                     outputs[tp, name], _ = serve(target.address, prompts, args.new_tokens, mode)

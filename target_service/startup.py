@@ -190,12 +190,14 @@ def default_capture(num_layers: int) -> tuple[int, ...]:
 
 
 def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
-                        shape: AttentionShape, capture: tuple[int, ...]) -> Detailed:
+                        shape: AttentionShape, capture: tuple[int, ...], control: object = None
+                        ) -> Detailed:
     """Step graphs for every batch-size bucket up to --max-running: plain decode and, with a
     draft, verification of trees of each --graph-tree-sizes node count; prefill graphs of fresh
     prompts for token counts up to --prefill-graph-tokens (at most --max-prefill-tokens);
     and each step after each prompt count (mixed steps). All capture the layer inputs the
-    draft reads (``capture``, from connect_draft). The runner replays them."""
+    draft reads (``capture``, from connect_draft). The runner replays them. With --tp, every
+    rank captures the same graphs, their collectives included, and replays them in step."""
     device = str(runner.device)
     if not device.startswith("cuda"):
         return Detailed(None, f"no-op on {device}")
@@ -203,8 +205,12 @@ def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
         return Detailed(None, "off (--no-cuda-graphs): eager decode")
     if not isinstance(runner.backend, FlashInferBackend):
         return Detailed(None, "none: graphs need the flashinfer backend; eager decode")
-    if runner.model.tp.size > 1:  # collectives inside captured graphs: not yet tried on NCCL
-        return Detailed(None, "none with --tp > 1 yet: eager decode")
+    if runner.model.tp.size > 1:
+        # Only rank 0 connects the draft: it tells the others which layer inputs to capture,
+        # so that the ranks replay the same graph for each call.
+        box = [capture]
+        dist.broadcast_object_list(box, src=0, group=control)
+        capture = box[0]
     sizes = cfg.verify_graph_sizes
     q_lens = (1, *(n + 1 for n in sizes)) if cfg.draft else (1,)
     # The padding rows' pages (a verify row's committed slot too); every rank takes the same.
@@ -383,7 +389,7 @@ def build_rank(cfg: TargetConfig, startup: Startup, where: Placement,
     else:
         draft = connect(spec)
     startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg, runner, pool, shape,
-                 draft.capture if draft else ())
+                 draft.capture if draft else (), tp.control)
     return RankParts(spec, tp, runner, pool, draft)
 
 

@@ -284,7 +284,8 @@ def test_rank_killed_mid_generation(draft, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("size", [2, 4])
 def test_nccl_tp_greedy_agrees_with_one_rank(size, tmp_path):
-    """bench/bench_tp.py's agreement run: TP=size against TP=1, bf16, speculation OFF and ON.
+    """bench/bench_tp.py's agreement run: TP=size against TP=1, bf16, speculation OFF and ON,
+    every rank replaying its CUDA graphs (NCCL collectives captured in them).
     Sums reordered across ranks can flip a near-tie in bf16, after which greedy text
     diverges, so the text need not be identical (the CPU test above is exact): every output
     must leave TP=1's only where the float32 model finds the two tokens within bf16's error."""
@@ -294,7 +295,12 @@ def test_nccl_tp_greedy_agrees_with_one_rank(size, tmp_path):
     subprocess.run([sys.executable, "bench/bench_tp.py", "--tp", f"1,{size}", "--device", "cuda",
                     "--dtype", "bfloat16", "--skip-timing", "--out-json", str(out)],
                    cwd=Path(__file__).resolve().parent.parent, check=True, timeout=900)
-    runs = json.loads(out.read_text())["agreement"]
+    result = json.loads(out.read_text())
+    # Every rank captured the same step graphs (a rank left eager would still agree, slowly).
+    details = result["graphs"][f"tp{size}"]
+    assert len(details) == size and details[0].split()[0].isdigit(), details
+    assert len({d.rsplit(" in ", 1)[0] for d in details}) == 1, details  # all but the seconds
+    runs = result["agreement"]
     assert runs["tp1 OFF"]["identical_tokens"] == 1.0
     for mode in ("OFF", "ON"):
         run = runs[f"tp{size} {mode}"]
