@@ -9,9 +9,11 @@
 - Rank 1 killed mid-generation: the streams in flight end with UNAVAILABLE,
   the target exits, nothing is left running, and the gateway recovers when a
   new target comes up.
-- On GPUs (marked): TP=2 and TP=4 over NCCL against TP=1 in bf16, where every
-  output that leaves TP=1's must do so at a near tie of the float32 model;
-  on CPU, that this score tells a near tie from a flip where the model is sure.
+- On GPUs (marked): TP=2 and TP=4 over NCCL against TP=1 in bf16, every rank
+  replaying the same graphs, where every output that leaves TP=1's must do so
+  at a near tie of the float32 model (on CPU: that this score tells a near tie
+  from a flip where the model is sure); a capture fault on the last rank only
+  fails start-up naming it.
 """
 
 from __future__ import annotations
@@ -198,23 +200,29 @@ STEPS = ["load_config", "init_distributed", "load_model", "allocate_kv_cache",
 @pytest.mark.slow
 @pytest.mark.parametrize("step", STEPS)
 def test_fault_on_rank_1_fails_startup_naming_rank_and_step(step, tmp_path):
+    assert_fault_fails_startup(step, 1, ["--tp", "2"], tmp_path)
+
+
+def assert_fault_fails_startup(step: str, rank: int, args: list[str], tmp_path: Path) -> None:
+    """A fault injected at step on one rank only: the target exits within seconds, never
+    SERVING, its report and log name that rank and step, and no process is left."""
     tag = uuid.uuid4().hex
     report_path = tmp_path / "report.json"
     started = time.monotonic()
-    target = Service("target_service", ["--tp", "2", "--init-report", str(report_path)], tmp_path,
-                     env={"SPLITSPEC_INJECT_INIT_FAULT": f"{step}@1", **tagged_env(tag)})
+    target = Service("target_service", [*args, "--init-report", str(report_path)], tmp_path,
+                     env={"SPLITSPEC_INJECT_INIT_FAULT": f"{step}@{rank}", **tagged_env(tag)})
     code, seen = target.wait_exit(timeout_s=60)
     elapsed = time.monotonic() - started
     assert code != 0, target.log
     assert 1 not in seen  # health never said SERVING
     report = json.loads(report_path.read_text())
     assert not report["ok"]
-    rank1 = [r for r in report["ranks"] if r["rank"] == 1]
-    assert rank1, report
-    failed = [s for s in rank1[0]["steps"] if s["state"] == "FAILED"]
-    assert [s["name"] for s in failed] == [step], rank1
+    ours = [r for r in report["ranks"] if r["rank"] == rank]
+    assert ours, report
+    failed = [s for s in ours[0]["steps"] if s["state"] == "FAILED"]
+    assert [s["name"] for s in failed] == [step], ours
     assert failed[0]["error_type"] == "InjectedFault"
-    assert f"target rank 1 failed to start at step '{step}'" in target.log
+    assert f"target rank {rank} failed to start at step '{step}'" in target.log
     assert elapsed < 45, f"start-up took {elapsed:.0f}s to fail"
     deadline = time.monotonic() + 5
     while processes_tagged(tag) and time.monotonic() < deadline:
@@ -332,6 +340,19 @@ def test_divergences_are_scored_by_the_float32_model():
         assert found["margin"] == pytest.approx(gap, abs=1e-4)
         assert (abs(found["margin"]) < bench_tp.NEAR_TIE) == (gap < bench_tp.NEAR_TIE)
     assert min(gaps)[0] < bench_tp.NEAR_TIE < max(gaps)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("size", [2, 4])
+def test_nccl_capture_fault_on_the_last_rank_fails_startup(size, tmp_path):
+    """The seed's bug on N GPUs: graph capture fails on one rank while the others capture
+    theirs (and then wait in a collective for it). The service must not start."""
+    if torch.cuda.device_count() < size:
+        pytest.skip(f"needs {size} GPUs")
+    assert_fault_fails_startup("capture_cuda_graphs", size - 1,
+                               ["--tp", str(size), "--device", "cuda", "--dtype", "bfloat16"],
+                               tmp_path)
 
 
 @pytest.mark.slow
