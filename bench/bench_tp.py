@@ -10,10 +10,11 @@ happen where their margin is within bf16's error (NEAR_TIE); a wrong shard
 or kernel leaves where the model is sure.
 
 Step time: a target of the benchmark pair's shape (bench/results/
-bench_pair_manifest.json: 169M parameters, 16 heads, 4 KV heads) with RANDOM
-weights (the trained weights are not in the repository; speed does not depend
-on them), plain decoding at batch 1: the median forward and step time per
-decode step.
+bench_pair_manifest.json: 169M parameters, 16 heads, 4 KV heads), or with
+--timing-model 8b of Llama-3.1-8B's, with RANDOM weights (the trained weights
+are not in the repository; speed does not depend on them), plain decoding at
+batch 1: the median forward and step time per decode step, at each TP size
+with CUDA graphs and at TP=1 without them.
 
     python bench/bench_tp.py --tp 1,2 --device cuda --dtype bfloat16 --out-json /tmp/tp.json
 """
@@ -144,25 +145,11 @@ def random_bench_target(folder: Path) -> Path:
     return folder
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tp", default="1,2", help="comma-separated TP sizes (1 first)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--new-tokens", type=int, default=32, help="per prompt, agreement runs")
-    parser.add_argument("--step-tokens", type=int, default=128, help="batch-1 timing run")
-    parser.add_argument("--repeats", type=int, default=3, help="timing runs per TP size")
-    parser.add_argument("--skip-timing", action="store_true")
-    parser.add_argument("--out-json", type=Path)
-    args = parser.parse_args()
-    sizes = [int(s) for s in args.tp.split(",")]
-    if sizes[0] != 1:
-        raise SystemExit("--tp must start with 1: the others are compared with it")
-    common = ["--device", args.device, "--dtype", args.dtype]
-    logs = Path(tempfile.mkdtemp(prefix="bench_tp_"))
+def measure_agreement(sizes: list[int], common: list[str], new_tokens: int, logs: Path,
+                      result: dict) -> None:
+    """Greedy text of the built-in pair at each TP size, ON and OFF, against TP=1 OFF; each
+    rank's graphs; where each output diverges, scored by the float32 model."""
     prompts = [load_tokenizer(BUILTIN_TARGET).encode(t) for t in TEXTS]
-    result: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
-                    "agreement": {}, "graphs": {}, "step_ms": {}}
     with Process("draft_service", ["--model", str(BUILTIN_EAGLE3), *common], logs / "draft.log") as draft:
         outputs = {}
         for tp in sizes:
@@ -173,7 +160,7 @@ def main() -> int:
                 result["graphs"][f"tp{tp}"] = graph_details(report)
                 for name, mode in (("OFF", common_pb2.SPECULATION_MODE_OFF),
                                    ("ON", common_pb2.SPECULATION_MODE_ON)):
-                    outputs[tp, name], _ = serve(target.address, prompts, args.new_tokens, mode)
+                    outputs[tp, name], _ = serve(target.address, prompts, new_tokens, mode)
     oracle = float32_oracle(BUILTIN_TARGET)
     for (tp, name), out in outputs.items():
         found = first_divergences(prompts, out, outputs[1, "OFF"], oracle)
@@ -184,25 +171,64 @@ def main() -> int:
               f"{entry['identical_prefix']:.3f}; {len(found)} of {len(prompts)} outputs diverge, "
               f"largest float32 margin there {entry['max_margin']:.3f} (near tie: < {NEAR_TIE})",
               flush=True)
-    if not args.skip_timing:
+
+
+def measure_steps(sizes: list[int], common: list[str], args: argparse.Namespace, logs: Path,
+                  result: dict) -> None:
+    """Batch-1 decode step time of the random target at each TP size (and TP=1 eager)."""
+    prompt = load_tokenizer(BUILTIN_TARGET).encode(TEXTS[0])
+    if args.timing_model == "8b":
+        from bench_decode_floor import random_checkpoint  # it imports this module
+
+        model = logs / "8b-target"
+        random_checkpoint(model, device=args.device)
+        common = [*common, "--max-running", "4", "--max-context", "1024"]
+    else:
         model = random_bench_target(logs / "bench-target")
-        runs_of = {f"tp{tp}": ["--tp", str(tp)] for tp in sizes}
-        if args.device.startswith("cuda"):  # --tp > 1 runs eagerly: TP=1 eager beside it
-            runs_of["tp1 eager"] = ["--tp", "1", "--no-cuda-graphs"]
-        for key, flags in runs_of.items():
-            with Process("target_service", ["--model", str(model), *flags, *common],
-                         logs / f"timing-{key.replace(' ', '-')}.log") as target:
-                runs = []
-                for _ in range(args.repeats + 1):  # the first run warms up
-                    _, steps = serve(target.address, [prompts[0]], args.step_tokens,
-                                     common_pb2.SPECULATION_MODE_OFF)
-                    decode = [s for s in steps if s.prefill_tokens == 0 and s.batch_size == 1]
-                    runs.append((1000 * statistics.median(s.forward_s for s in decode),
-                                 1000 * statistics.median(s.total_s for s in decode)))
-                forward, total = (statistics.median(r[i] for r in runs[1:]) for i in (0, 1))
-                result["step_ms"][key] = {"forward": forward, "step": total, "runs": runs[1:]}
-                print(f"{key}: decode step {total:.2f} ms (forward {forward:.2f} ms), median of "
-                      f"{args.repeats} runs x {args.step_tokens} tokens", flush=True)
+    runs_of = {f"tp{tp}": ["--tp", str(tp)] for tp in sizes}
+    if args.device.startswith("cuda"):  # what the graphs save
+        runs_of["tp1 eager"] = ["--tp", "1", "--no-cuda-graphs"]
+    for key, flags in runs_of.items():
+        with Process("target_service", ["--model", str(model), *flags, *common],
+                     logs / f"timing-{key.replace(' ', '-')}.log") as target:
+            runs = []
+            for _ in range(args.repeats + 1):  # the first run warms up
+                _, steps = serve(target.address, [prompt], args.step_tokens,
+                                 common_pb2.SPECULATION_MODE_OFF)
+                decode = [s for s in steps if s.prefill_tokens == 0 and s.batch_size == 1]
+                runs.append((1000 * statistics.median(s.forward_s for s in decode),
+                             1000 * statistics.median(s.total_s for s in decode)))
+            forward, total = (statistics.median(r[i] for r in runs[1:]) for i in (0, 1))
+            result["step_ms"][key] = {"forward": forward, "step": total, "runs": runs[1:]}
+            print(f"{key}: decode step {total:.2f} ms (forward {forward:.2f} ms), median of "
+                  f"{args.repeats} runs x {args.step_tokens} tokens", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tp", default="1,2", help="comma-separated TP sizes (1 first)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--new-tokens", type=int, default=32, help="per prompt, agreement runs")
+    parser.add_argument("--step-tokens", type=int, default=128, help="batch-1 timing run")
+    parser.add_argument("--repeats", type=int, default=3, help="timing runs per TP size")
+    parser.add_argument("--skip-timing", action="store_true")
+    parser.add_argument("--skip-agreement", action="store_true")
+    parser.add_argument("--timing-model", choices=["bench", "8b"], default="bench",
+                        help="the random target timed: the benchmark pair's shape or Llama-3.1-8B's")
+    parser.add_argument("--out-json", type=Path)
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.tp.split(",")]
+    if sizes[0] != 1:
+        raise SystemExit("--tp must start with 1: the others are compared with it")
+    common = ["--device", args.device, "--dtype", args.dtype]
+    logs = Path(tempfile.mkdtemp(prefix="bench_tp_"))
+    result: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d"),
+                    "agreement": {}, "graphs": {}, "step_ms": {}}
+    if not args.skip_agreement:
+        measure_agreement(sizes, common, args.new_tokens, logs, result)
+    if not args.skip_timing:
+        measure_steps(sizes, common, args, logs, result)
     if args.out_json:
         args.out_json.parent.mkdir(parents=True, exist_ok=True)
         args.out_json.write_text(json.dumps(result, indent=2))

@@ -42,3 +42,16 @@ def test_step_costs_bench_runs_on_cpu(tmp_path):
     assert result["target"]["backend"] == "torch" and not result["target"]["graphs"]
     summary = result["summary"]
     assert summary["verify_over_decode"] > 0 and summary["draft_over_decode"] > 0
+
+
+@pytest.mark.slow
+def test_tp_comm_bench_runs_on_cpu(tmp_path):
+    """bench_tp_comm over gloo: the per-step all-reduces (eager; graphs need CUDA) and the
+    broadcast of a call, timed on two ranks."""
+    out = tmp_path / "comm.json"
+    subprocess.run([sys.executable, "bench/bench_tp_comm.py", "--layers", "2", "--hidden", "64",
+                    "--iters", "5", "--out-json", str(out)], cwd=REPO, check=True, timeout=120,
+                   capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["all_reduces_per_step"] == 6 and "graph_step_ms" not in result
+    assert result["eager_step_ms"] > 0 and result["broadcast_ms"] > 0
