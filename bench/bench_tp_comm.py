@@ -2,10 +2,11 @@
 
 Two ranks (NCCL on GPUs, gloo on CPU) time, per decode step of a model with
 --layers layers, the 2 * layers + 2 all-reduces of one token's hidden state
-(batch 1, bf16 on GPUs): replayed from a CUDA graph and run eagerly; and the
-pickled broadcast of a small call over the gloo control group, as
-target_service/runner.py's TPRunner announces each forward. The numbers to
-set beside bench_tp.py's step times.
+(batch 1, bf16 on GPUs): replayed from a CUDA graph and run eagerly; and rank
+0's announcement of a decode step's forward over the gloo control group (batch
+1 and 32, 40 pages a sequence), both as target_service/calls.py packs it and
+pickled by broadcast_object_list, as it was before. The numbers to set beside
+bench_tp.py's step times.
 
     python bench/bench_tp_comm.py --device cuda --out-json /tmp/comm.json
 """
@@ -23,7 +24,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from target_service.ranks import free_address  # light: no flashinfer in the spawned ranks
+from splitspec.attention.base import SeqAttention
+from splitspec.kv_cache import PageTable
+from target_service.calls import CallChannel, ForwardBatch
+from target_service.ranks import free_address
+
+
+def decode_step(batch: int, pages: int = 40, page_size: int = 16) -> ForwardBatch:
+    """The forward of a plain decode step: one token per sequence, each 600 tokens long."""
+    attn = [SeqAttention(PageTable(page_size, list(range(i * pages, (i + 1) * pages)), 600),
+                         kv_len=600, q_len=1) for i in range(batch)]
+    return ForwardBatch(torch.arange(batch), torch.full((batch,), 599), attn, list(range(batch)),
+                        (2, 16, 29))
 
 
 def timed(fn: object, iters: int, sync: object) -> float:
@@ -72,13 +84,22 @@ def rank_main(rank: int, args: argparse.Namespace, address: str, out: Path) -> N
             step()
         result["graph_step_ms"] = timed(graph.replay, args.iters, sync)
     result["eager_step_ms"] = timed(step, args.iters, sync)
-    call = ("forward", (torch.arange(8), torch.arange(8), [list(range(40))] * 4, [0, 1, 2, 3]))
+    channel = CallChannel(control)
+    for batch in (1, 32):
+        call = decode_step(batch)
 
-    def announce() -> None:
-        box = [call if rank == 0 else None]
-        dist.broadcast_object_list(box, src=0, group=control)
+        def pickled(call: ForwardBatch = call) -> None:
+            box = [("forward", call) if rank == 0 else None]
+            dist.broadcast_object_list(box, src=0, group=control)
 
-    result["broadcast_ms"] = timed(announce, args.iters, sync)
+        def packed(call: ForwardBatch = call) -> None:
+            if rank == 0:
+                channel.send("forward", call)
+            else:
+                channel.receive()
+
+        result[f"pickled_call_ms_batch{batch}"] = timed(pickled, args.iters, sync)
+        result[f"packed_call_ms_batch{batch}"] = timed(packed, args.iters, sync)
     if rank == 0:
         out.write_text(json.dumps(result))
     dist.destroy_process_group()

@@ -2,37 +2,27 @@
 
 The engine (rank 0) does all scheduling and acceptance and calls only
 :meth:`ModelRunner.forward` and :meth:`ModelRunner.copy_slots`. With tensor
-parallelism :class:`TPRunner` first broadcasts each call (its CPU inputs, over
-a gloo control group) to the other ranks, which run :func:`serve_calls`: the
-same call on their shard. The collectives inside the model then keep the
-ranks in step, and every rank ends with the full logits.
+parallelism :class:`TPRunner` first broadcasts each call (its CPU inputs, packed
+into int64 words by ``calls.py``, over a gloo control group) to the other ranks,
+which run :func:`serve_calls`: the same call on their shard. The collectives
+inside the model then keep the ranks in step, and every rank ends with the full
+logits.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 
-from splitspec.attention.base import AttentionBackend, SeqAttention
+from splitspec.attention.base import AttentionBackend
 from splitspec.cuda_graphs import StepGraphs
 from splitspec.kv_cache import KVCache
 from splitspec.model.layers import AttentionContext
 from splitspec.model.llama import LlamaForCausalLM
+from target_service.calls import CallChannel, ForwardBatch
 
 log = logging.getLogger(__name__)
-
-
-class ForwardBatch(NamedTuple):
-    """One forward pass, all on the host: every rank can rebuild it from these."""
-
-    ids: torch.Tensor              # [T] token ids
-    positions: torch.Tensor        # [T]
-    attn: list[SeqAttention]       # per sequence: page table, lengths, optional tree mask
-    logit_rows: list[int]          # rows of the T tokens whose logits are wanted
-    capture: tuple[int, ...] = ()  # layer inputs to capture for the draft
 
 
 class ModelRunner:
@@ -78,10 +68,10 @@ class TPRunner(ModelRunner):
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, backend: AttentionBackend,
                  device: torch.device | str, control: object) -> None:
         super().__init__(model, cache, backend, device)
-        self.control = control
+        self.channel = CallChannel(control)
 
     def _announce(self, call: str, payload: object) -> None:
-        dist.broadcast_object_list([(call, payload)], src=0, group=self.control)
+        self.channel.send(call, payload)
 
     def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._announce("forward", batch)
@@ -97,10 +87,9 @@ class TPRunner(ModelRunner):
 
 def serve_calls(runner: ModelRunner, control: object) -> None:
     """Ranks 1..N-1: run every call rank 0 broadcasts, until it says stop."""
+    channel = CallChannel(control)
     while True:
-        box: list[object] = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
-        call, payload = box[0]
+        call, payload = channel.receive()
         if call == "stop":
             log.info("rank 0 said stop")
             return

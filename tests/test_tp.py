@@ -44,6 +44,8 @@ from splitspec.model.loader import load_llama
 from splitspec.model.parallel import SINGLE, TPGroup, tp_error
 from splitspec.tokenizer import load_tokenizer
 from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2, target_pb2_grpc
+from target_service import calls
+from target_service.calls import ForwardBatch
 from tests.stack import Service, free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -126,6 +128,80 @@ def test_sizes_that_do_not_divide_the_heads_are_refused():
     assert tp_error(cfg, 1) is None and tp_error(cfg, 2) is None and tp_error(cfg, 4) is None
     assert "does not divide the 4 attention heads" in tp_error(cfg, 3)
     assert "[1, 2, 4]" in tp_error(cfg, 3)
+
+
+# ---- rank 0's calls -----------------------------------------------------------------------
+
+
+def sample_calls(pages_each: int = 3) -> list[tuple[str, object]]:
+    """A forward with a prompt (causal), a verify row (tree) and a dense mask; a KV copy; stop."""
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    mask = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    attn = [SeqAttention(PageTable(16, list(range(pages_each)), 5), kv_len=5, q_len=5),
+            SeqAttention(PageTable(16, [7, 3], 20), kv_len=23, q_len=3, tree=tree),
+            SeqAttention(PageTable(16, [9], 4), kv_len=4, q_len=2, mask=mask)]
+    batch = ForwardBatch(torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14]),
+                         torch.tensor([0, 1, 2, 3, 4, 20, 21, 21, 2, 3]), attn,
+                         [4, 5, 6, 7, 8, 9], (2, 3, 3))
+    return [("forward", batch), ("copy_slots", (torch.tensor([3, 4]), torch.tensor([1, 2]))),
+            ("stop", None)]
+
+
+def assert_same_call(got: tuple[str, object], want: tuple[str, object]) -> None:
+    assert got[0] == want[0]
+    if want[0] == "forward":
+        a, b = got[1], want[1]
+        assert torch.equal(a.ids, b.ids) and torch.equal(a.positions, b.positions)
+        assert (a.logit_rows, a.capture) == (b.logit_rows, b.capture)
+        assert len(a.attn) == len(b.attn)
+        for x, y in zip(a.attn, b.attn, strict=True):
+            assert (x.table, x.kv_len, x.q_len) == (y.table, y.kv_len, y.q_len)
+            for m, n in ((x.mask, y.mask), (x.tree, y.tree)):
+                assert (m is None and n is None) or (m.dtype == torch.bool and torch.equal(m, n))
+    elif want[0] == "copy_slots":
+        assert all(torch.equal(g, w) for g, w in zip(got[1], want[1], strict=True))
+    else:
+        assert got[1] is None
+
+
+def test_calls_round_trip_through_their_words():
+    for call in sample_calls():
+        assert_same_call(calls.decode(calls.encode(*call)), call)
+    words = calls.encode(*sample_calls()[0])
+    with pytest.raises(ValueError, match="decoded as"):
+        calls.decode([words[0] + 1, *words[1:]])
+
+
+def _receive_calls(rank: int, address: str, count: int, out: mp.Queue) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://{address}", rank=rank, world_size=2)
+    try:
+        channel = calls.CallChannel(dist.group.WORLD)
+        if rank == 0:
+            for call in [*sample_calls(), *sample_calls(pages_each=calls.CAPACITY)][:count]:
+                channel.send(*call)
+        else:
+            for _ in range(count):
+                out.put(channel.receive())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_calls_reach_the_other_rank_whatever_their_size():
+    """Over gloo: calls that fit the buffer, and a forward larger than it (two broadcasts)."""
+    want = [*sample_calls(), *sample_calls(pages_each=calls.CAPACITY)][:4]
+    assert len(calls.encode(*want[3])) > calls.CAPACITY >= len(calls.encode(*want[0]))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    address = f"127.0.0.1:{free_port()}"
+    procs = [ctx.Process(target=_receive_calls, args=(r, address, len(want), out)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    got = [out.get(timeout=60) for _ in want]
+    for proc in procs:
+        proc.join(30)
+        assert proc.exitcode == 0
+    for g, w in zip(got, want, strict=True):
+        assert_same_call(g, w)
 
 
 # ---- the service --------------------------------------------------------------------------
