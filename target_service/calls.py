@@ -1,9 +1,9 @@
 """Rank 0's calls to the other ranks, packed into int64 words for one gloo broadcast each.
 
-A call pickled by ``broadcast_object_list`` took 1-2 ms on the development machine (two
-broadcasts, and pickling a tensor costs more than the rest), once per step and on the
-critical path: the other ranks start their part of the step only when it arrives. One
-broadcast of a packed buffer took 0.2-0.3 ms. Every call fills a buffer of CAPACITY
+A decode step's call pickled by ``broadcast_object_list`` took 2.0-2.7 ms on the 2-core
+development machine (two broadcasts, and pickling its tensors), once per step and on the
+critical path: the other ranks start their part of the step only when it arrives. Packed,
+it takes 0.5-0.7 ms (bench/bench_tp_comm.py). Every call fills a buffer of CAPACITY
 words; a larger call says its length there and follows in a second broadcast.
 
 Layout: [length, kind, ...]. A forward: T, sequences, logit rows, captured layers; the
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from splitspec.attention.base import SeqAttention
 from splitspec.kv_cache import PageTable
 
-CAPACITY = 8192  # words: a batch of 32 with 40 pages each and 9-node trees takes about 4 600
+CAPACITY = 8192  # words: a verify step of 32 sequences, 40 pages and an 8-node tree each, takes 5001
 FORWARD, COPY_SLOTS, STOP = 1, 2, 3
 _NO_MASK, _MASK, _TREE = 0, 1, 2
 

@@ -2,6 +2,9 @@
 
 - The sharded model (2 and 4 ranks, KV heads split or replicated) computes the
   logits of the whole model, and each rank loads only its shard.
+- Rank 0's calls (a forward with causal, tree and dense-mask rows, a KV copy,
+  stop) come out of their packed words as they went in, and reach rank 1 over
+  gloo, one larger than the fixed buffer too.
 - The target service with --tp 2 gives greedy output identical to --tp 1,
   speculation ON and OFF; under torchrun it serves, with rank 1's report.
 - A fault injected on rank 1 only, at every init step, fails start-up within
