@@ -185,6 +185,7 @@ def _receive_calls(rank: int, address: str, count: int, out: mp.Queue) -> None:
         else:
             for _ in range(count):
                 out.put(channel.receive())
+        dist.barrier()  # rank 0 must not close its sockets before rank 1 has read every call
     finally:
         dist.destroy_process_group()
 
