@@ -158,6 +158,23 @@ def accept_tree(tree: Tree, chosen: list[int]) -> Acceptance:
         node = nxt
 
 
+def first_child_run(tree: Tree, path: list[int]) -> int:
+    """How many of the accepted nodes ``path`` (root excluded, in order), from the root, are
+    each their parent's first child: what a chain along the tree's first-child path would
+    have accepted. A top-k draft lists children likeliest first, so that path is the chain
+    the same draft sends for a budget of topk 1; where the path leaves the tree before the
+    chain's depth, the count is a lower bound (the chain's next node was never verified)."""
+    first: dict[int, int] = {}
+    for i, parent in enumerate(tree.parents, start=1):
+        first.setdefault(parent, i)
+    run, node = 0, 0
+    for nxt in path:
+        if first.get(node) != nxt:
+            break
+        run, node = run + 1, nxt
+    return run
+
+
 def match_length(tree: Tree, tokens: list[int]) -> int:
     """How many leading tokens follow a path of the tree from the root (the draft's view of
     how much of its tree the target went on to commit)."""

@@ -34,6 +34,7 @@ from splitspec.tree import (
     accept_tree,
     ancestor_mask,
     depths,
+    first_child_run,
     tree_error,
 )
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
@@ -108,6 +109,21 @@ def shape_for(policy: target_pb2.SpecPolicy, batch_size: int,
                 num_steps=shape.num_steps or default.num_steps,
             )
     return NO_SPECULATION
+
+
+def first_child_counts(decode: list[Sequence], trees: dict[int, Tree],
+                       accepted: list[Acceptance]) -> list[int]:
+    """StepStats.first_child_accepted: entry d counts the sequences whose tree's first-child
+    path was accepted to at least d + 1 nodes (one entry per depth of the deepest tree);
+    empty unless every decoding sequence verified a top-k tree."""
+    verified = [trees.get(seq.seq_id, EMPTY_TREE) for seq in decode]
+    if not verified or any(not tree.num_nodes or tree.proposals for tree in verified):
+        return []
+    counts = [0] * max(max(depths(tree.parents)) for tree in verified)
+    for tree, acceptance in zip(verified, accepted, strict=True):
+        for d in range(first_child_run(tree, acceptance.path)):
+            counts[d] += 1
+    return counts
 
 
 def always_speculate(shape: common_pb2.DraftShape) -> target_pb2.SpecPolicy:
@@ -363,7 +379,8 @@ class Engine:
             draft_s=forward_start - draft_start, forward_s=forward_end - forward_start,
             total_s=end - start, waiting=len(self.scheduler.waiting),
             draft_compute_s=self._draft_compute_s, period_s=end - period_start,
-            committed_tokens=committed, graphed=self.runner.last_graphed)
+            committed_tokens=committed, graphed=self.runner.last_graphed,
+            first_child_accepted=first_child_counts(decode, trees, result.accepted))
         self._record_step(self.last_stats, span)
         span.end()
         self._flush()

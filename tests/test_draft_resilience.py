@@ -83,6 +83,16 @@ def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts)
     for event in decode:
         assert event.stats.committed_tokens == sum(len(d.token_ids) for d in event.deltas)
         assert event.stats.period_s >= event.stats.total_s > 0
+    # What a chain would have accepted, read off each tree's first-child path: set on steps
+    # whose every sequence verified a tree, one entry per depth, never more than was accepted.
+    spec = [s for s in stats if s.batch_size and s.drafted_tokens == 8 * s.batch_size]
+    assert spec and all(s.first_child_accepted for s in spec)
+    for s in spec:
+        counts = list(s.first_child_accepted)
+        assert len(counts) <= 4 and counts == sorted(counts, reverse=True), counts
+        assert counts[0] <= s.batch_size and sum(counts) <= s.accepted_tokens, s
+    assert any(sum(s.first_child_accepted) for s in spec)
+    assert not any(s.first_child_accepted for s in stats if not s.speculated)
 
 
 def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts):

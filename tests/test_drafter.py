@@ -32,7 +32,7 @@ from splitspec.init_report import InitReport
 from splitspec.kv_cache import KVCache, PagePool
 from splitspec.model.config import read_hf_config
 from splitspec.sampling import SamplingParams, proposals
-from splitspec.tree import Tree, depths, tree_error
+from splitspec.tree import Tree, depths, first_child_run, tree_error
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from tests.stats import chi_square, critical
 
@@ -287,6 +287,26 @@ def test_topk1_is_a_chain_of_num_steps(drafter):
     tree = draft_one(drafter, fake_tokens(20), TreeShape(num_draft_tokens=9, topk=1, num_steps=5))
     assert tree.parents == [0, 1, 2, 3, 4]
     assert tree_error(tree, drafter.model.vocab_size, 5) is None
+
+
+def test_a_trees_first_child_path_is_the_chain_the_draft_would_send(drafter):
+    """Children come likeliest first, so a tree's first-child path is the topk-1 chain drafted
+    from the same state: the target reads what a chain budget would have accepted off that
+    path (StepStats.first_child_accepted), and the adaptive policy trusts it."""
+    for seed in range(6):
+        tokens = fake_tokens(20, seed=seed)
+        tree = draft_one(drafter, tokens, TREE, seed=seed)
+        chain = draft_one(drafter, tokens, TreeShape(3, 1, 3), seed=seed)
+        first: dict[int, int] = {}
+        for index, parent in enumerate(tree.parents, start=1):
+            first.setdefault(parent, index)
+        path = [first[0]]
+        while path[-1] in first and len(path) < 3:
+            path.append(first[path[-1]])
+        assert len(path) >= 2, tree  # the likeliest child of the likeliest child is kept
+        assert [tree.tokens[i - 1] for i in path] == chain.tokens[:len(path)], seed
+        # ... so accepting the chain's tokens walks the first-child path.
+        assert first_child_run(tree, path) == len(path)
 
 
 def test_tree_is_well_formed_full_and_deterministic(drafter):

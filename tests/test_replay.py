@@ -23,7 +23,7 @@ from splitspec.model.config import LlamaConfig, read_hf_config
 from splitspec.replay import ReplayRecord, read_records, serve, write_records
 from splitspec.replay import main as replay_main
 from splitspec.tokenizer import load_tokenizer
-from splitspec.tree import depths, match_length, tree_error
+from splitspec.tree import depths, first_child_run, match_length, tree_error
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.stack import Service
 
@@ -100,6 +100,20 @@ def test_no_corruption_drafts_the_recorded_path_and_only_it():
             node_depths = depths(tree.parents)
             on_truth = [i for i, t in enumerate(tree.tokens, start=1) if t == truth[node_depths[i] - 1]]
             assert on_truth == path_nodes(tree)[:length], (shape, n)
+
+
+def test_the_main_path_is_the_first_child_path_and_the_chain():
+    """The main path (the only nodes that may carry true tokens) runs through each node's
+    first child, and a chain of the same depth drafts it: what the target reads off a tree's
+    first-child path (StepStats.first_child_accepted) is what a chain would have accepted."""
+    rec = make_records(1)[0]
+    drafter = make_drafter([rec], 0.0)
+    for shape in (TreeShape(8, 4, 4), TreeShape(64, 8, 6), TreeShape(10, 2, 3)):
+        tree = draft_at(drafter, rec.full[:50], shape)
+        main = path_nodes(tree)
+        assert first_child_run(tree, main) == len(main) == shape.num_steps, shape
+        chain = draft_at(drafter, rec.full[:50], TreeShape(3, 1, 3))
+        assert [tree.tokens[i - 1] for i in main[:3]] == chain.tokens, shape
 
 
 def test_full_corruption_never_drafts_the_true_token():

@@ -11,6 +11,7 @@ from splitspec.tree import (
     accept_tree,
     ancestor_mask,
     depths,
+    first_child_run,
     match_length,
     positions,
     tree_error,
@@ -91,3 +92,14 @@ def test_match_length_follows_a_root_path():
     assert match_length(TREE, [6, 7]) == 1
     assert match_length(TREE, [9]) == 0
     assert match_length(EMPTY_TREE, [5]) == 0
+
+
+def test_first_child_run_counts_the_accepted_first_children_from_the_root():
+    """What a chain along the first-child path (1, 3, 4) would have accepted."""
+    assert first_child_run(TREE, accept_tree(TREE, [5, 7, 0, 8, 9]).path) == 3  # the whole path
+    assert first_child_run(TREE, accept_tree(TREE, [5, 6, 0, 0, 0]).path) == 1  # 3 rejected
+    assert first_child_run(TREE, accept_tree(TREE, [6, 0, 2, 0, 0]).path) == 0  # a second child
+    assert first_child_run(TREE, []) == 0
+    # root ─┬─ 1 ─┬─ 3          accepted 1 then 4, the second child of 1: the chain stops at 1
+    #       └─ 2  └─ 4
+    assert first_child_run(Tree([5, 6, 7, 8], [0, 0, 1, 1]), [1, 4]) == 1
