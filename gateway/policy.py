@@ -207,6 +207,9 @@ class AdaptivePolicy:
     the budget and the text), and a few steps of them are noisy (0 to
     depth+1 accepted), so a ratio takes the step times from the sandwich and
     the tokens per speculative step of each budget from its last GAINS steps.
+    A chain's (topk 1) come also from every step of a tree at least as deep
+    (:meth:`_chain_gains`): what its first-child path accepted is what the
+    chain would have.
     The first step of each mode after a change of mode is left out (turning
     speculation back on begins with the draft's catch-up). Steps that also
     prefill prompts count: a prompt's cost depends on the mode (added to a
@@ -300,6 +303,8 @@ class AdaptivePolicy:
                 counted = True
         if counted and mode:
             bucket.gains[mode].append(gain)
+        if mode and stats.first_child_accepted:
+            self._chain_gains(bucket, mode, stats)
         bucket.batches[mode].append(stats.batch_size)
         self._decide(bucket, size)
         policy = self._build()
@@ -307,6 +312,19 @@ class AdaptivePolicy:
             return None
         self._policy = policy
         return policy
+
+    def _chain_gains(self, bucket: _Bucket, mode: int, stats: target_pb2.StepStats) -> None:
+        """A step of a tree tells what each chain budget no deeper than it would have gained
+        (its first-child path is the chain the draft would have sent): those chains' tokens
+        per step are then read off every step of the tree, not off their few probe steps (at
+        0 to depth accepted a step, 7 probe steps left a chain 7 % behind the tree at batch 1
+        looking ahead of it often enough to run it on most steps of some runs)."""
+        depth = self.modes[mode].num_steps
+        for m, shape in enumerate(self.modes):
+            length = min(shape.num_draft_tokens, shape.num_steps)
+            if m not in (0, mode) and shape.topk == 1 and length <= depth:
+                accepted = sum(stats.first_child_accepted[:length])
+                bucket.gains[m].append(accepted / stats.batch_size)
 
     def _interval(self, bucket: _Bucket, mode: int) -> int:
         """Steps of the mode in use between probes of ``mode``."""
