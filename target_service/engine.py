@@ -112,16 +112,19 @@ def shape_for(policy: target_pb2.SpecPolicy, batch_size: int,
 
 
 def first_child_counts(decode: list[Sequence], trees: dict[int, Tree],
-                       accepted: list[Acceptance]) -> list[int]:
+                       accepted: list[Acceptance], committed: list[int]) -> list[int]:
     """StepStats.first_child_accepted: entry d counts the sequences whose tree's first-child
     path was accepted to at least d + 1 nodes (one entry per depth of the deepest tree);
-    empty unless every decoding sequence verified a top-k tree."""
+    empty unless every decoding sequence verified a top-k tree. A sequence that reached
+    max_new_tokens counts only what it committed (``committed``, per sequence: the path and
+    the bonus token, cut), as the step's committed_tokens does: a chain would have been cut
+    alike, and the policy compares the two."""
     verified = [trees.get(seq.seq_id, EMPTY_TREE) for seq in decode]
     if not verified or any(not tree.num_nodes or tree.proposals for tree in verified):
         return []
     counts = [0] * max(max(depths(tree.parents)) for tree in verified)
-    for tree, acceptance in zip(verified, accepted, strict=True):
-        for d in range(first_child_run(tree, acceptance.path)):
+    for tree, acceptance, kept in zip(verified, accepted, committed, strict=True):
+        for d in range(min(first_child_run(tree, acceptance.path), kept - 1)):
             counts[d] += 1
     return counts
 
@@ -366,7 +369,8 @@ class Engine:
         forward_start = time.perf_counter()
         result = self._forward(prefill, decode, trees)
         forward_end = time.perf_counter()
-        drafted, accepted, committed = self._commit(prefill, decode, trees, result)
+        drafted, accepted, kept = self._commit(prefill, decode, trees, result)
+        committed = sum(kept)
         end = time.perf_counter()
         period_start = start if self._period_start is None else self._period_start
         self._period_start = end
@@ -380,7 +384,7 @@ class Engine:
             total_s=end - start, waiting=len(self.scheduler.waiting),
             draft_compute_s=self._draft_compute_s, period_s=end - period_start,
             committed_tokens=committed, graphed=self.runner.last_graphed,
-            first_child_accepted=first_child_counts(decode, trees, result.accepted))
+            first_child_accepted=first_child_counts(decode, trees, result.accepted, kept))
         self._record_step(self.last_stats, span)
         span.end()
         self._flush()
@@ -549,17 +553,18 @@ class Engine:
         return prefill_tokens, accepted
 
     def _commit(self, prefill: list[Sequence], decode: list[Sequence], trees: dict[int, Tree],
-                result: _ForwardResult) -> tuple[int, int, int]:
+                result: _ForwardResult) -> tuple[int, int, list[int]]:
         """Accept, compact and emit for every sequence; returns the decoding sequences'
-        (drafted, accepted, committed) tokens."""
+        drafted and accepted tokens, and the tokens each committed."""
         for i, seq in enumerate(prefill):
             self._commit_prefill(seq, result.prefill_tokens[i], result.aux, result.starts[i],
                                  result.starts[i + 1])
-        drafted = accepted = committed = 0
+        drafted = accepted = 0
+        committed = []
         for i, (seq, acceptance) in enumerate(zip(decode, result.accepted, strict=True)):
             tree = trees.get(seq.seq_id, EMPTY_TREE)
-            committed += self._commit_decode(seq, tree, acceptance, result.aux,
-                                             result.starts[len(prefill) + i])
+            committed.append(self._commit_decode(seq, tree, acceptance, result.aux,
+                                                 result.starts[len(prefill) + i]))
             accepted += len(acceptance.path)
             drafted += tree.num_nodes
         return drafted, accepted, committed
