@@ -9,7 +9,10 @@ of that target's shape (one layer, draft vocabulary 32000), after a prompt of
   (ModelRunner.forward: planning, copies, the CUDA graph or the eager pass,
   logits), against the weight-read floor (W bytes / 4.5 TB/s, ../shared/GPU.md);
 - verify: the same call for the root plus an --tree-nodes tree;
-- with graphs (flashinfer), both calls again without them (``*_eager_ms``);
+- with graphs (flashinfer), both calls again without them (``*_eager_ms``), and the decode
+  graph replayed alone: synchronised after each replay (``decode_replay_ms``), queued back
+  to back so each launch overlaps the replay before (``decode_replay_queued_ms``: the
+  device's time), and the host's time to launch one (``decode_launch_ms``);
 - draft: the draft's Drafter.draft for one sequence: catch up one token (with
   its features) and draft a tree of --tree-nodes nodes, topk --topk, depth
   --depth, as the draft service does for every step; with graphs the catch-up
@@ -66,6 +69,7 @@ PAGE = 16
 EAGLE3_FOR_8B = {**LLAMA_31_8B, "architectures": ["LlamaForCausalLMEagle3"],
                  "num_hidden_layers": 1, "draft_vocab_size": 32000, "target_hidden_size": 4096}
 PROFILE_CALLS = 5  # calls under torch.profiler, after the timed ones (--profile)
+QUEUED_REPLAYS = 20  # decode replays launched back to back per timed call (the device's time)
 TREE_PARENTS = {8: [0, 0, 0, 0, 1, 1, 5, 7]}  # 4 children of the root, a branch of depth 4
 
 
@@ -204,6 +208,24 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
         result["decode_replay_ms"] = timed(graph.replay, args.warmup, args.iters, args.device)
         print(f"target decode graph replay alone: median "
               f"{statistics.median(result['decode_replay_ms']):.3f} ms", flush=True)
+
+        def queued() -> None:  # replays back to back: each launch overlaps the replay before
+            for _ in range(QUEUED_REPLAYS):
+                graph.replay()
+
+        result["decode_replay_queued_ms"] = [
+            t / QUEUED_REPLAYS for t in timed(queued, 1, max(args.iters // 5, 3), args.device)]
+        launches = []  # the host's time to launch one replay (not waited for)
+        for _ in range(args.iters):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            graph.replay()
+            launches.append(1000 * (time.perf_counter() - start))
+        torch.cuda.synchronize()
+        result["decode_launch_ms"] = launches
+        print(f"target decode graph: {statistics.median(result['decode_replay_queued_ms']):.3f} "
+              f"ms a replay queued back to back (the device's time), launch "
+              f"{statistics.median(launches):.3f} ms of host time", flush=True)
     return result
 
 
