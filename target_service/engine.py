@@ -119,8 +119,10 @@ def first_child_counts(decode: list[Sequence], trees: dict[int, Tree],
     max_new_tokens counts only what it committed (``committed``, per sequence: the path and
     the bonus token, cut), as the step's committed_tokens does: a chain would have been cut
     alike, and the policy compares the two."""
-    verified = [trees.get(seq.seq_id, EMPTY_TREE) for seq in decode]
-    if not verified or any(not tree.num_nodes or tree.proposals for tree in verified):
+    if len(trees) < len(decode) or not decode:  # a plain step, or some sequence had no tree
+        return []
+    verified = [trees[seq.seq_id] for seq in decode]
+    if any(not tree.num_nodes or tree.proposals for tree in verified):
         return []
     counts = [0] * max(max(depths(tree.parents)) for tree in verified)
     for tree, acceptance, kept in zip(verified, accepted, committed, strict=True):
