@@ -4,7 +4,6 @@
 # Installs the carried wheels into .site (no index there), puts .site and the repository on
 # PYTHONPATH, and points flashinfer's JIT cache at .fiws, restored from .out/fiws.txz when
 # carried. save_kernel_cache writes .fiws back to $OUT/fiws.txz, for the next call's .out.
-set -u
 python3 -m pip install -q --no-deps --no-index --target .site .whl/*.whl 2>&1 | grep -v WARNING
 export PYTHONPATH="$PWD/.site:$PWD"
 export FLASHINFER_WORKSPACE_BASE="$PWD/.fiws"
