@@ -410,6 +410,24 @@ def draft_counts(draft: draft_pb2_grpc.DraftStub | None) -> tuple[int, int]:
     return status.trees, status.replay_misses
 
 
+TRACE_FIELDS = ("step", "batch_size", "prefill_tokens", "speculated", "tree_budget",
+                "committed_tokens", "period_s", "total_s", "draft_s", "forward_s")
+
+
+def write_trace(path: Path | None, concurrency: int, mode: str, run: int,
+                steps: list[target_pb2.StepStats]) -> None:
+    """Append one run's steps to the --step-trace file: a JSON line with the TRACE_FIELDS of
+    each step (and its first_child_accepted); run -1 is a warm-up."""
+    if path is None:
+        return
+    rows = [[getattr(s, name) for name in TRACE_FIELDS] + [list(s.first_child_accepted)]
+            for s in steps]
+    with path.open("a") as out:
+        out.write(json.dumps({"concurrency": concurrency, "mode": mode, "run": run,
+                              "fields": [*TRACE_FIELDS, "first_child_accepted"],
+                              "steps": rows}) + "\n")
+
+
 def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
           args: argparse.Namespace, report: dict[str, Any],
           draft: draft_pb2_grpc.DraftStub | None = None) -> None:
@@ -441,6 +459,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         for _ in range(args.warmup):
             for mode in warm_modes:
                 stats = run_target(stub, prompts, lengths, runs[mode], concurrency)
+                write_trace(args.step_trace, concurrency, mode, -1, stats.steps)
                 entry["warmup_tokens_per_s"][mode].append(stats.tokens_per_s)
                 print(f"warm-up: concurrency {concurrency}, {mode}: {stats.tokens_per_s:.1f} "
                       f"tok/s ({stats.wall_s:.1f} s, not counted); "
@@ -461,6 +480,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
             for mode in modes:  # interleaved, so drift hits all alike
                 trees, misses = draft_counts(draft)
                 stats = run_target(stub, prompts, lengths, runs[mode], concurrency)
+                write_trace(args.step_trace, concurrency, mode, repeat, stats.steps)
                 entry["tokens_per_s"][mode].append(stats.tokens_per_s)
                 entry["wall_s"][mode].append(stats.wall_s)
                 entry["accepted_per_verify_step"][mode].append(stats.mean_accepted)
@@ -595,6 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out-md", type=Path, help="write the markdown table here")
     parser.add_argument("--out-json", type=Path, help="write the raw numbers here")
     parser.add_argument("--out-png", type=Path, help="write the plot here (needs matplotlib)")
+    parser.add_argument("--step-trace", type=Path,
+                        help="append every run's per-step statistics (period, batch, mode, "
+                             "tokens committed) to this JSON-lines file, a line per run: what "
+                             "bench/simulate_policy.py replays")
     parser.add_argument("--from-json", type=Path,
                         help="render the table and plot of this saved run; run nothing")
     args = parser.parse_args(argv)
@@ -613,6 +637,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--min-run-s must be >= 0, and sizes runs from the warm-up's rates: "
                      "it needs --warmup >= 1")
     replay = args.draft_kind == REPLAY
+    if args.step_trace:  # a line per run of this sweep only
+        args.step_trace.parent.mkdir(parents=True, exist_ok=True)
+        args.step_trace.write_text("")
     if args.random_8b and not args.device.startswith("cuda"):
         parser.error(f"--random-8b builds a Llama-3.1-8B-shaped bf16 checkpoint (16 GB) on the "
                      f"GPU and serves it there: it needs --device cuda (got --device "

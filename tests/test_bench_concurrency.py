@@ -146,13 +146,14 @@ def test_a_max_context_too_small_for_the_prompts_is_refused_before_anything_star
 def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     """--start --draft-kind replay records the built-in target's continuations, starts the
     replay draft on them and sweeps; at corrupt rate 0 ON accepts the whole main path."""
-    out, table = tmp_path / "replay.json", tmp_path / "replay.md"
+    out, table, trace = tmp_path / "replay.json", tmp_path / "replay.md", tmp_path / "steps.jsonl"
+    trace.write_text("a line an earlier sweep left\n")
     run = subprocess.run(
         [sys.executable, "bench/bench_concurrency.py", "--start", "--draft-kind", "replay",
          "--replay-corrupt-rate", "0", "--prompts", "fixed", "--num-prompts", "4",
          "--concurrency", "1,2", "--repeats", "1", "--max-new-tokens", "8", "--max-context",
          "64", "--modes", "OFF,ON,adaptive", "--new-tokens-spread", "0.5", "--out-json",
-         str(out), "--out-md", str(table)],
+         str(out), "--out-md", str(table), "--step-trace", str(trace)],
         cwd=REPO, timeout=240, capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "recorded 4 continuations of 16 tokens" in run.stderr  # the 4 prompts, 8 + spare
@@ -179,6 +180,18 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         work = sum(bc.request_lengths(entry["num_prompts"], 8, 0.5))  # the spread lengths
         for mode, rates in entry["tokens_per_s"].items():
             assert round(rates[0] * entry["wall_s"][mode][0]) == work, mode
+    runs = [json.loads(line) for line in trace.read_text().splitlines()]  # this sweep's only
+    assert [(r["concurrency"], r["mode"], r["run"]) for r in runs] == [
+        (c, mode, run) for c in (1, 2) for run in (-1, 0) for mode in ("OFF", "ON", "adaptive")]
+    for run, entry in zip(runs[3::6] + runs[4::6], report["results"] * 2, strict=True):
+        fields = run["fields"]
+        steps = [dict(zip(fields, row, strict=True)) for row in run["steps"]]
+        speculated = {s["speculated"] for s in steps if s["batch_size"]}
+        assert speculated == {run["mode"] == "ON"}, run["mode"]  # timed OFF and ON runs
+        work = sum(bc.request_lengths(entry["num_prompts"], 8, 0.5))
+        # every token but each prompt's first (its prefill's), in some step
+        assert sum(s["committed_tokens"] for s in steps) == work - entry["num_prompts"]
+        assert all(s["period_s"] > 0 for s in steps)
     header = table.read_text().splitlines()[0]
     assert "replay(records.jsonl, corrupt 0.00) draft" in header
     assert "x 4-8 new tokens" in header and settings["new_tokens_spread"] == 0.5
