@@ -1,0 +1,220 @@
+"""Replays recorded step traces through the adaptive policy, offline: how close it comes to the
+best fixed mode, over many seeds, in seconds instead of a sweep's half hour.
+
+The input is a ``bench_concurrency.py --step-trace`` file. Its runs of one fixed mode (OFF,
+ON; ON of ``--shape chain3`` for the chain) give, per concurrency, a pool of steps for each
+draft budget (0: off), with the machine's slow drift taken out of each run and kept as one
+factor of time that every mode shares (:class:`Machine`). A simulation feeds a fresh
+``gateway.policy.AdaptivePolicy`` one step after another: the policy's budget for the batch
+size of the step before (the target applies it per step) picks the pool, the next step of
+that pool (from a random starting point, wrapping), times the drift at the simulated clock,
+is what the step cost and committed, and the policy observes it as the target would report
+it. Per seed, adaptive's tokens per second over the steps after the first ``--settle`` is
+compared with the best budget run alone on the same seed (the same drift and pool starts).
+
+What it leaves out: a switch of mode costs nothing beyond the steps the policy itself leaves
+out, and the drift is OFF's, laid end to end. Calibration: one probe's log ratio (probe
+against the steps around it) varied by 0.08-0.11 at 1 stream in simulation with the default
+``--window`` and by 0.07-0.12 in the recorded adaptive runs. So it
+measures how well the policy resolves modes through this machine's per-step noise, the
+question at 1-2 streams on a 2-core CPU, where the sweeps' rounds cannot tell::
+
+    python bench/bench_concurrency.py --start --prompts heldout --concurrency 1,2 \\
+        --repeats 5 --modes OFF,ON --min-run-s 10 --step-trace /tmp/tree.jsonl
+    python bench/bench_concurrency.py --start --prompts heldout --concurrency 1,2 \\
+        --repeats 5 --modes OFF,ON --shape chain3 --min-run-s 10 --step-trace /tmp/chain.jsonl
+    python bench/simulate_policy.py /tmp/tree.jsonl /tmp/chain.jsonl --seeds 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import random
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from gateway.policy import AdaptivePolicy, adaptive_shapes
+from splitspec.v1 import common_pb2, target_pb2
+
+TREE = common_pb2.DraftShape(num_draft_tokens=8, topk=4, num_steps=4)  # the benchmarks' ON
+
+
+def load_runs(paths: list[Path]) -> dict[int, dict[int, list[list[target_pb2.StepStats]]]]:
+    """Per concurrency, per draft budget (0: off), the timed runs of one fixed mode (warm-ups and
+    adaptive runs left out), each a list of its steps in order; steps that only prefilled are
+    kept (they cost time the policy does not see, as in a real run)."""
+    runs: dict[int, dict[int, list[list[target_pb2.StepStats]]]] = defaultdict(
+        lambda: defaultdict(list))
+    for path in paths:
+        for line in path.read_text().splitlines():
+            run = json.loads(line)
+            if run["run"] < 0 or run["mode"] not in ("OFF", "ON"):
+                continue
+            fields = run["fields"]
+            steps = [target_pb2.StepStats(**dict(zip(fields, row, strict=True)))
+                     for row in run["steps"]]
+            budgets = {s.tree_budget for s in steps if s.speculated}
+            if len(budgets) > 1:
+                raise ValueError(f"{path}: a {run['mode']} run used budgets {sorted(budgets)}")
+            runs[run["concurrency"]][budgets.pop() if budgets else 0].append(steps)
+    return runs
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """The mean of each value's centred window (shorter at the ends)."""
+    sums = [0.0]
+    for v in values:
+        sums.append(sums[-1] + v)
+    half = window // 2
+    out = []
+    for i in range(len(values)):
+        lo, hi = max(0, i - half), min(len(values), i + half + 1)
+        out.append((sums[hi] - sums[lo]) / (hi - lo))
+    return out
+
+
+class Machine:
+    """Each budget's steps with the machine's slow drift taken out, and that drift as one
+    factor of time shared by all modes (as a real machine's is).
+
+    A run's step times wander by tens of per cent over seconds (2 cores, three processes:
+    OFF at 1 stream 6 to 9 ms a step within one run). The drift is what the policy's
+    sandwiches cancel, but runs of different modes were recorded at different times, so
+    replaying them side by side would make the drift look like a difference between the
+    modes. So each step's time is divided by its run's centred ``window``-step mean and
+    multiplied by its budget's mean step time (what remains: the fast noise, and that budget's
+    cost); the drift is the OFF runs' smoothed step time over its mean, laid end to end in
+    seconds, and every replayed step is multiplied by its value at the replay's clock."""
+
+    def __init__(self, runs: dict[int, list[list[target_pb2.StepStats]]], window: int) -> None:
+        self.pools: dict[int, list[target_pb2.StepStats]] = {}
+        for budget, budget_runs in runs.items():
+            steps = [s for run in budget_runs for s in run]
+            mean = statistics.fmean(s.period_s for s in steps)
+            pool = []
+            for run in budget_runs:
+                for step, level in zip(run, smooth([s.period_s for s in run], window),
+                                       strict=True):
+                    flat = target_pb2.StepStats()
+                    flat.CopyFrom(step)
+                    flat.period_s = step.period_s / level * mean
+                    pool.append(flat)
+            self.pools[budget] = pool
+        self.clock: list[float] = []  # OFF's seconds, end to end, and the drift from there on
+        self.drift: list[float] = []
+        off = [s for run in runs[0] for s in run]
+        mean = statistics.fmean(s.period_s for s in off)
+        elapsed = 0.0
+        for run in runs[0]:
+            for step, level in zip(run, smooth([s.period_s for s in run], window), strict=True):
+                self.clock.append(elapsed)
+                self.drift.append(level / mean)
+                elapsed += step.period_s
+        self.length_s = elapsed
+
+    def drift_at(self, seconds: float) -> float:
+        return self.drift[bisect.bisect_right(self.clock, seconds % self.length_s) - 1]
+
+
+def budget_at(policy: target_pb2.SpecPolicy, batch: int) -> int:
+    for entry in policy.entries:
+        if batch <= entry.max_batch_size:
+            return entry.shape.num_draft_tokens
+    return 0
+
+
+def simulate(machine: Machine, choose: Callable[[int], int],
+             observe: Callable[[target_pb2.StepStats], object], concurrency: int, steps: int,
+             settle: int, seed: int) -> tuple[float, Counter]:
+    """Tokens per second after the first ``settle`` of ``steps`` steps, each run with the
+    budget ``choose`` gives for the batch size of the step before (and shown to ``observe``),
+    and the share of those steps per budget. A seed fixes where each pool and the drift start,
+    so runs of different choices with one seed see the same machine."""
+    rng = random.Random(seed)
+    cursor = {budget: rng.randrange(len(pool)) for budget, pool in sorted(machine.pools.items())}
+    clock = rng.uniform(0, machine.length_s)
+    batch, tokens, seconds, used = concurrency, 0, 0.0, Counter()
+    for i in range(steps):
+        budget = choose(batch)
+        if budget not in machine.pools:
+            raise ValueError(f"budget {budget} was chosen, which the traces lack (they have "
+                             f"{sorted(machine.pools)})")
+        pool = machine.pools[budget]
+        sample = target_pb2.StepStats()
+        sample.CopyFrom(pool[cursor[budget]])
+        cursor[budget] = (cursor[budget] + 1) % len(pool)
+        sample.period_s *= machine.drift_at(clock)
+        clock += sample.period_s
+        observe(sample)
+        if sample.batch_size:
+            batch = sample.batch_size
+        if i >= settle:
+            tokens += sample.committed_tokens
+            seconds += sample.period_s
+            used[budget] += 1
+    total = sum(used.values())
+    return tokens / seconds, Counter({b: n / total for b, n in used.items()})
+
+
+def summarize(machine: Machine, concurrency: int, make_policy: Callable[[], AdaptivePolicy],
+              seeds: int, steps: int, settle: int) -> dict[str, Any]:
+    """Per seed, adaptive's rate over the best fixed budget's on the same machine and seed."""
+    ratios, shares, fixed = [], Counter(), defaultdict(list)
+    for seed in range(seeds):
+        rates = {}
+        for budget in machine.pools:
+            rates[budget], _ = simulate(machine, lambda _b, budget=budget: budget,
+                                        lambda _s: None, concurrency, steps, settle, seed)
+            fixed[budget].append(rates[budget])
+        policy = make_policy()
+        tok_s, used = simulate(machine, lambda b, p=policy: budget_at(p.policy, b), policy.observe,
+                               concurrency, steps, settle, seed)
+        ratios.append(tok_s / max(rates.values()))
+        shares.update(used)
+    ratios.sort()
+    return {"concurrency": concurrency,
+            "fixed_tok_s": {b: statistics.median(r) for b, r in fixed.items()},
+            "steps": {budget: len(pool) for budget, pool in machine.pools.items()},
+            "ratio_median": statistics.median(ratios), "ratio_p10": ratios[len(ratios) // 10],
+            "ratio_min": ratios[0], "share": {b: n / seeds for b, n in sorted(shares.items())}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("traces", type=Path, nargs="+", help="--step-trace files")
+    parser.add_argument("--seeds", type=int, default=100, help="simulations per concurrency")
+    parser.add_argument("--steps", type=int, default=6000, help="steps per simulation")
+    parser.add_argument("--settle", type=int, default=500,
+                        help="first steps left out of adaptive's rate (its first probes)")
+    parser.add_argument("--window", type=int, default=32,
+                        help="steps of the centred mean that is a run's drift")
+    parser.add_argument("--concurrency", type=int, nargs="*", help="default: all in the traces")
+    args = parser.parse_args(argv)
+    if args.steps <= args.settle or args.seeds < 1:
+        parser.error("--steps must exceed --settle, and --seeds be >= 1")
+    runs = load_runs(args.traces)
+    for concurrency in args.concurrency or sorted(runs):
+        budgets = runs[concurrency]
+        if 0 not in budgets or TREE.num_draft_tokens not in budgets:
+            parser.error(f"concurrency {concurrency}: the traces need OFF and ON (tree) runs")
+        # the gateway's default budgets (the tree and a chain of 3), less those not recorded
+        shapes = [s for s in adaptive_shapes("", TREE) if s.num_draft_tokens in budgets]
+        result = summarize(Machine(budgets, args.window), concurrency,
+                           lambda shapes=shapes: AdaptivePolicy(shapes), args.seeds, args.steps,
+                           args.settle)
+        fixed = ", ".join(f"{b or 'off'}: {r:.1f} tok/s ({result['steps'][b]} steps)"
+                          for b, r in sorted(result["fixed_tok_s"].items()))
+        share = ", ".join(f"{b or 'off'} {s:.0%}" for b, s in result["share"].items())
+        print(f"concurrency {concurrency}: {fixed}; adaptive / best: median "
+              f"{result['ratio_median']:.3f}, p10 {result['ratio_p10']:.3f}, min "
+              f"{result['ratio_min']:.3f} over {args.seeds} seeds; steps {share}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,84 @@
+"""bench/simulate_policy.py: replaying recorded step traces through the adaptive policy."""
+
+import json
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import simulate_policy as sp  # bench/ is a script folder, not a package
+from bench_concurrency import TRACE_FIELDS
+
+from gateway.policy import AdaptivePolicy, adaptive_shapes
+
+
+def trace_line(mode: str, run: int, budget: int, period_s: float, committed: int,
+               steps: int, drift: float = 0.0, seed: int = 0) -> str:
+    """A --step-trace line of one run at batch 1: ``steps`` decode steps of ``period_s``
+    (+-5 %, and growing by ``drift`` over the run) committing ``committed`` tokens each."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(steps):
+        period = period_s * (1 + drift * i / steps) * rng.uniform(0.95, 1.05)
+        row = {"step": i, "batch_size": 1, "prefill_tokens": 0, "speculated": budget > 0,
+               "tree_budget": budget, "committed_tokens": committed, "period_s": period,
+               "total_s": period, "draft_s": 0.0, "forward_s": period}
+        rows.append([row[name] for name in TRACE_FIELDS] + [[]])
+    return json.dumps({"concurrency": 1, "mode": mode, "run": run,
+                       "fields": [*TRACE_FIELDS, "first_child_accepted"], "steps": rows})
+
+
+def write_trace(path: Path, on_period_s: float) -> Path:
+    """OFF at 10 ms a token and the 8-node tree at ``on_period_s`` for 3 tokens, two runs
+    each (and a warm-up and an adaptive run, which the simulator must leave out)."""
+    lines = [trace_line("OFF", -1, 0, 0.5, 1, 50), trace_line("adaptive", 0, 8, 0.5, 1, 50)]
+    for run in range(2):
+        lines.append(trace_line("OFF", run, 0, 0.010, 1, 400, seed=run))
+        lines.append(trace_line("ON", run, 8, on_period_s, 3, 150, seed=10 + run))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def adaptive_on(machine: sp.Machine) -> dict:
+    shapes = [s for s in adaptive_shapes("", sp.TREE) if s.num_draft_tokens in machine.pools]
+    return sp.summarize(machine, 1, lambda: AdaptivePolicy(shapes), seeds=3, steps=1500,
+                        settle=300)
+
+
+def test_adaptive_replayed_on_traces_runs_the_mode_that_pays(tmp_path):
+    """The tree commits 3 tokens in 20 ms (1.5x OFF): replayed, adaptive runs it but for its
+    probes and comes within a few per cent of it; at 40 ms (0.75x OFF) it runs OFF."""
+    runs = sp.load_runs([write_trace(tmp_path / "fast.jsonl", 0.020)])
+    assert {b: len(r) for b, r in runs[1].items()} == {0: 2, 8: 2}  # warm-up, adaptive left out
+    result = adaptive_on(sp.Machine(runs[1], 32))
+    assert result["fixed_tok_s"][8] > 1.4 * result["fixed_tok_s"][0]
+    assert result["share"][8] > 0.85, result
+    assert result["ratio_median"] > 0.95, result
+
+    slow = adaptive_on(sp.Machine(sp.load_runs([write_trace(tmp_path / "slow.jsonl",
+                                                            0.040)])[1], 32))
+    assert slow["share"][0] > 0.85, slow
+    assert slow["ratio_median"] > 0.95, slow
+
+
+def test_the_drift_of_a_run_is_shared_by_all_modes_not_replayed_per_mode(tmp_path):
+    """A run whose steps slow down from 10 to 20 ms: its pool keeps the mean step time but not
+    the ramp, and the ramp becomes the drift every mode's steps are multiplied by."""
+    path = tmp_path / "drift.jsonl"
+    path.write_text(trace_line("OFF", 0, 0, 0.010, 1, 1000, drift=1.0) + "\n"
+                    + trace_line("ON", 0, 8, 0.020, 3, 300) + "\n")
+    machine = sp.Machine(sp.load_runs([path])[1], 32)
+    off = [s.period_s for s in machine.pools[0]]
+    mean = sum(off) / len(off)
+    assert 0.0145 < mean < 0.0155
+    assert max(abs(p / mean - 1) for p in off[100:-100]) < 0.1  # the +-5 % noise is kept
+    assert machine.drift_at(0.0) < 0.75 and machine.drift_at(machine.length_s * 0.99) > 1.25
+    assert machine.drift_at(machine.length_s * 1.01) < 0.75  # the clock wraps
+
+
+def test_the_command_line_prints_a_line_per_concurrency(tmp_path, capsys):
+    path = write_trace(tmp_path / "t.jsonl", 0.020)
+    assert sp.main([str(path), "--seeds", "2", "--steps", "800", "--settle", "200"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("concurrency 1: off: ") and "adaptive / best: median" in out
