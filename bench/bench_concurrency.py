@@ -420,12 +420,13 @@ def write_trace(path: Path | None, concurrency: int, mode: str, run: int,
     each step (and its first_child_accepted); run -1 is a warm-up."""
     if path is None:
         return
-    rows = [[getattr(s, name) for name in TRACE_FIELDS] + [list(s.first_child_accepted)]
-            for s in steps]
+    rows = [[round(v, 7) if isinstance(v, float) else v  # 0.1 us: the clock's, not float's
+             for v in (getattr(s, name) for name in TRACE_FIELDS)]
+            + [list(s.first_child_accepted)] for s in steps]
     with path.open("a") as out:
         out.write(json.dumps({"concurrency": concurrency, "mode": mode, "run": run,
                               "fields": [*TRACE_FIELDS, "first_child_accepted"],
-                              "steps": rows}) + "\n")
+                              "steps": rows}, separators=(",", ":")) + "\n")
 
 
 def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],

@@ -24,12 +24,16 @@ question at 1-2 streams on a 2-core CPU, where the sweeps' rounds cannot tell::
     python bench/bench_concurrency.py --start --prompts heldout --concurrency 1,2 \\
         --repeats 5 --modes OFF,ON --shape chain3 --min-run-s 10 --step-trace /tmp/chain.jsonl
     python bench/simulate_policy.py /tmp/tree.jsonl /tmp/chain.jsonl --seeds 100
+
+The traces behind the policy's ``confidence`` (session 13, 1-2 streams, 2 CPU cores) are
+``bench/results/steps_cpu_session13_{tree,chain}.jsonl.gz``.
 """
 
 from __future__ import annotations
 
 import argparse
 import bisect
+import gzip
 import json
 import random
 import statistics
@@ -51,7 +55,9 @@ def load_runs(paths: list[Path]) -> dict[int, dict[int, list[list[target_pb2.Ste
     runs: dict[int, dict[int, list[list[target_pb2.StepStats]]]] = defaultdict(
         lambda: defaultdict(list))
     for path in paths:
-        for line in path.read_text().splitlines():
+        text = (gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz"
+                else path.read_text())
+        for line in text.splitlines():
             run = json.loads(line)
             if run["run"] < 0 or run["mode"] not in ("OFF", "ON"):
                 continue
@@ -186,7 +192,8 @@ def summarize(machine: Machine, concurrency: int, make_policy: Callable[[], Adap
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("traces", type=Path, nargs="+", help="--step-trace files")
+    parser.add_argument("traces", type=Path, nargs="+",
+                        help="--step-trace files (gzipped where they end in .gz)")
     parser.add_argument("--seeds", type=int, default=100, help="simulations per concurrency")
     parser.add_argument("--steps", type=int, default=6000, help="steps per simulation")
     parser.add_argument("--settle", type=int, default=500,

@@ -1,5 +1,6 @@
 """bench/simulate_policy.py: replaying recorded step traces through the adaptive policy."""
 
+import gzip
 import json
 import random
 import sys
@@ -82,3 +83,10 @@ def test_the_command_line_prints_a_line_per_concurrency(tmp_path, capsys):
     assert sp.main([str(path), "--seeds", "2", "--steps", "800", "--settle", "200"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("concurrency 1: off: ") and "adaptive / best: median" in out
+
+
+def test_gzipped_traces_load_as_the_plain_ones(tmp_path):
+    plain = write_trace(tmp_path / "t.jsonl", 0.020)
+    packed = tmp_path / "t.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert sp.load_runs([packed]) == sp.load_runs([plain])
