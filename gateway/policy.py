@@ -218,21 +218,16 @@ class AdaptivePolicy:
     verify step bound by its GEMMs it costs its full compute; on an H200 at 32
     streams 1.4 ms against 8 ms). Invariant: a bucket switches only when a
     probe is judged and the (geometric) mean of that mode's last PAIRS ratios
-    favours it by more than ``margin`` (relative) plus ``confidence`` standard
-    errors of that mean, so per-step noise does not make it flap. The margin
-    is 2 %: a bucket can stay in a mode up to a margin behind another, and the
-    policy's aim is to stay within 3 % of the best (a margin of 5 % let a
-    bucket sit for good in a mode 4 % behind). The standard error is the
-    spread of one probe's log ratio (pooled over the bucket's modes, each
-    about its own mean; ``prior_spread`` until some mode has two) over the
-    square root of the ratios averaged. On an H200 one probe's ratio varies
-    by about 1 %, so the bar stays near the margin; on 2 CPU cores with three
-    processes it varies by about 10 % (the machine's speed wanders over
-    seconds, faster than a sandwich cancels), and with the margin alone a
-    single probe that looked 14 % ahead by chance switched a bucket to a mode
-    7 % behind, where it could stay for good (``bench/simulate_policy.py`` on
-    recorded 1-stream traces: one run in ten at 0.93 of the best or less;
-    with two standard errors, 0.974).
+    favours it by more than ``margin`` (relative), so per-step noise does not
+    make it flap. The margin is 2 %: a bucket can stay in a mode up to a
+    margin behind another, and the policy's aim is to stay within 3 % of the
+    best (a margin of 5 % let a bucket sit for good in a mode 4 % behind).
+    A speculative mode in use is not left until its tokens per step come
+    from ``min_gains`` sequence-steps (steps times their batch size): once
+    it is left, only its probes' few steps add to them, so a switch made on
+    the first dozen steps (one prompt that drafts badly) could stand for
+    thousands of steps (``bench/simulate_policy.py`` on 1-stream CPU traces:
+    one run in ten at 0.945 of the best or less; with the guard, 0.984).
 
     Each other mode has its own probe schedule, spaced by time, not by
     steps: when its steps take k times as long as the mode in use's (k > 1),
@@ -260,8 +255,7 @@ class AdaptivePolicy:
     def __init__(self, shapes: Sequence[common_pb2.DraftShape], margin: float = 0.02,
                  min_samples: int = 8, probe_every: int = 100, probe_steps: int = 8,
                  clear: float = 0.2, max_doublings: int = 4, first_probe: int = 16,
-                 sudden: float = 0.4, confidence: float = 2.0,
-                 prior_spread: float = 0.1) -> None:
+                 sudden: float = 0.4, min_gains: int = 64) -> None:
         nodes = [shape.num_draft_tokens for shape in shapes]
         if not shapes or 0 in nodes or len(set(nodes)) != len(nodes):
             raise ValueError(f"AdaptivePolicy needs budgets of different, non-zero node "
@@ -272,7 +266,7 @@ class AdaptivePolicy:
         self.margin = margin
         self.clear, self.max_doublings, self.sudden = clear, max_doublings, sudden
         self.min_samples, self.probe_every, self.probe_steps = min_samples, probe_every, probe_steps
-        self.confidence, self.prior_spread = confidence, prior_spread
+        self.min_gains = min_gains
         self.buckets = {b: _Bucket() for b in BUCKETS}
         self._policy = self._build()
 
@@ -398,9 +392,10 @@ class AdaptivePolicy:
         bucket.streaks[other] = bucket.streaks[other] + 1 if clear else 0
         bucket.reference = mine
         mean = _geometric_mean(bucket.ratios[other])
-        bar = self.margin + (self.confidence * self._spread(bucket)
-                             / math.sqrt(len(bucket.ratios[other])))
-        if mean > 1 + bar:
+        # a speculative mode in use is left only once its tokens per step are known
+        known = (not bucket.mode or len(bucket.gains[bucket.mode])
+                 * _mean(bucket.batches[bucket.mode]) >= self.min_gains)
+        if mean > 1 + self.margin and known:
             was = bucket.mode
             self._switch(bucket, other)
             new, old = describe_mode(self.modes[other]), describe_mode(self.modes[was])
@@ -410,18 +405,6 @@ class AdaptivePolicy:
                      len(bucket.ratios[was]), _mean(bucket.batches[other]), new,
                      _mean(bucket.batches[was]), old)
             bucket.reference = theirs
-
-    def _spread(self, bucket: _Bucket) -> float:
-        """The standard deviation of one probe's log ratio, pooled over this bucket's modes
-        (each about its own mean); the prior until two ratios of one mode exist."""
-        squares, freedom = 0.0, 0
-        for ratios in bucket.ratios.values():
-            if len(ratios) > 1:
-                logs = [math.log(r) for r in ratios]
-                mean = sum(logs) / len(logs)
-                squares += sum((x - mean) ** 2 for x in logs)
-                freedom += len(logs) - 1
-        return math.sqrt(squares / freedom) if freedom else self.prior_spread
 
     def _switch(self, bucket: _Bucket, new: int) -> None:
         """Make ``new`` the mode in use (after the steps that followed its probe): every other
