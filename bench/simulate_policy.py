@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="steps of the centred mean that is a run's drift")
     parser.add_argument("--concurrency", type=int, nargs="*", help="default: all in the traces")
     args = parser.parse_args(argv)
-    if args.steps <= args.settle or args.seeds < 1:
-        parser.error("--steps must exceed --settle, and --seeds be >= 1")
+    if args.steps <= args.settle or min(args.seeds, args.window) < 1:
+        parser.error("--steps must exceed --settle, and --seeds and --window be >= 1")
     runs = load_runs(args.traces)
     for concurrency in args.concurrency or sorted(runs):
         budgets = runs[concurrency]

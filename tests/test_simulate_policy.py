@@ -6,6 +6,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import simulate_policy as sp  # bench/ is a script folder, not a package
@@ -90,3 +92,14 @@ def test_gzipped_traces_load_as_the_plain_ones(tmp_path):
     packed = tmp_path / "t.jsonl.gz"
     packed.write_bytes(gzip.compress(plain.read_bytes()))
     assert sp.load_runs([packed]) == sp.load_runs([plain])
+
+
+@pytest.mark.parametrize("argv", [["--steps", "100", "--settle", "100"], ["--window", "0"],
+                                  ["--seeds", "0"]])
+def test_impossible_settings_are_refused(tmp_path, capsys, argv):
+    path = write_trace(tmp_path / "t.jsonl", 0.020)
+    with pytest.raises(SystemExit) as exit_:
+        sp.main([str(path), *argv])
+    assert exit_.value.code == 2
+    assert "--steps must exceed --settle, and --seeds and --window be >= 1" in (
+        capsys.readouterr().err)
