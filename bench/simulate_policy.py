@@ -44,6 +44,7 @@ from typing import Any
 
 from gateway.policy import AdaptivePolicy, adaptive_shapes
 from splitspec.v1 import common_pb2, target_pb2
+from target_service.engine import shape_for
 
 TREE = common_pb2.DraftShape(num_draft_tokens=8, topk=4, num_steps=4)  # the benchmarks' ON
 
@@ -127,13 +128,6 @@ class Machine:
         return self.drift[bisect.bisect_right(self.clock, seconds % self.length_s) - 1]
 
 
-def budget_at(policy: target_pb2.SpecPolicy, batch: int) -> int:
-    for entry in policy.entries:
-        if batch <= entry.max_batch_size:
-            return entry.shape.num_draft_tokens
-    return 0
-
-
 def simulate(machine: Machine, choose: Callable[[int], int],
              observe: Callable[[target_pb2.StepStats], object], concurrency: int, steps: int,
              settle: int, seed: int) -> tuple[float, Counter]:
@@ -178,8 +172,9 @@ def summarize(machine: Machine, concurrency: int, make_policy: Callable[[], Adap
                                         lambda _s: None, concurrency, steps, settle, seed)
             fixed[budget].append(rates[budget])
         policy = make_policy()
-        tok_s, used = simulate(machine, lambda b, p=policy: budget_at(p.policy, b), policy.observe,
-                               concurrency, steps, settle, seed)
+        budget_of = lambda batch, p=policy: shape_for(p.policy, batch, TREE).num_draft_tokens  # noqa: E731
+        tok_s, used = simulate(machine, budget_of, policy.observe, concurrency, steps, settle,
+                               seed)
         ratios.append(tok_s / max(rates.values()))
         shares.update(used)
     ratios.sort()
