@@ -61,9 +61,46 @@ def test_markdown_table_rows_and_aim_line():
     lines = table.splitlines()
     assert lines[0].startswith("2 cores of Test CPU, float32; torch 2.13.0, cpu; 2026-11-29")
     assert "static (<=8) tok/s" in lines[2]
-    assert "| 1 | 16 | 100.0 | 120.0 | 120.0 | 118.8 | 1.20x | 0.99 (ON) |" in lines
-    assert "| 64 | 128 | 200.0 | 150.0 | 200.0 | 190.0 | 0.75x | 0.95 (OFF) |" in lines
+    assert "| 1 | 16 | 100.0 | 120.0 | 120.0 | 118.8 | 1.20x | 0.99 (ON) | 0.99-0.99 |" in lines
+    assert "| 64 | 128 | 200.0 | 150.0 | 200.0 | 190.0 | 0.75x | 0.95 (OFF) | 0.95-0.95 |" in lines
     assert lines[-1].endswith("met at concurrency 1; missed at 64, 16.")
+
+
+def noisy_rounds(rounds: int, off_over_on: float, adaptive_over_on: float, spread: float,
+                 seed: int) -> dict[str, list[float]]:
+    """Rounds whose shared drift (log-normal, sd `spread`) and own noise (a quarter of it)
+    hit every mode; the modes' true rates stand as given."""
+    import random
+
+    rng = random.Random(seed)
+    rates: dict[str, list[float]] = {"OFF": [], "ON": [], "adaptive": []}
+    for _ in range(rounds):
+        drift = rng.lognormvariate(0, spread)
+        for mode, rate in (("OFF", off_over_on), ("ON", 1.0), ("adaptive", adaptive_over_on)):
+            rates[mode].append(100 * rate * drift * rng.lognormvariate(0, spread / 4))
+    return rates
+
+
+def test_the_interval_holds_the_true_ratio_and_narrows_with_rounds():
+    few = bc.bootstrap_interval(noisy_rounds(5, 0.9, 0.99, 0.1, seed=1))
+    many = bc.bootstrap_interval(noisy_rounds(80, 0.9, 0.99, 0.1, seed=1))
+    assert few[0] <= 0.99 <= few[1] and many[0] <= 0.99 <= many[1]
+    assert many[1] - many[0] < (few[1] - few[0]) / 2
+    assert bc.bootstrap_interval(noisy_rounds(2, 0.9, 0.99, 0.1, seed=1)) is None
+    # The same runs, the same interval.
+    rates = noisy_rounds(20, 0.9, 0.99, 0.1, seed=2)
+    assert bc.bootstrap_interval(rates) == bc.bootstrap_interval(rates)
+
+
+def test_the_aim_line_names_concurrencies_whose_interval_spans_the_aim():
+    report = json.loads(json.dumps(REPORT))
+    report["settings"]["repeats"] = 10
+    for e in report["results"]:  # adaptive 2.5 % under both: 10 noisy rounds cannot tell
+        e["tokens_per_s"] = {**noisy_rounds(10, 1.0, 0.975, 0.2, seed=e["concurrency"]),
+                             "static": [100.0] * 10}
+    s = bc.summarize(report["results"][0])
+    assert s["adaptive_interval"][0] < bc.AIM <= s["adaptive_interval"][1]
+    assert "interval (rounds resampled) spans 0.97 at concurrency 1" in bc.markdown(report)
 
 
 def test_from_json_renders_without_running(tmp_path, capsys):
@@ -106,8 +143,8 @@ def test_table_of_a_replay_run_without_static_labels_draft_target_and_acceptance
                              "runs, 1.70-1.90); 1.77 expected at corrupt 0.30; replay misses "
                              "in timed runs: 3 of 1350 trees.")
     assert lines[2] == ("| concurrency | prompts | OFF tok/s | ON tok/s | adaptive tok/s | "
-                        "ON / OFF | adaptive / best(OFF, ON) |")
-    assert "| 1 | 16 | 100.0 | 120.0 | 118.8 | 1.20x | 0.99 (ON) |" in lines
+                        "ON / OFF | adaptive / best(OFF, ON) | 90% interval |")
+    assert "| 1 | 16 | 100.0 | 120.0 | 118.8 | 1.20x | 0.99 (ON) | 0.99-0.99 |" in lines
     assert lines[-1].endswith("met at concurrency 1; missed at 64, 16.")
 
 
