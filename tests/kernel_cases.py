@@ -206,3 +206,53 @@ def run_prompts(device: str) -> None:
     check_prompts(device, torch.float32, [1, 1, 30], 64, 2, 2, 64)         # one-token prompts
     check_prompts(device, torch.bfloat16, [70, 40, 10], 128, 32, 8, 128)  # 8B heads, padding
     check_prompts(device, torch.float16, [33], 48, 6, 3, 48)               # D not a power of 2
+
+
+def check_paged_decode(device: str, dtype: torch.dtype, lengths: list[int], page: int,
+                       heads: int, kv_heads: int, dim: int, splits: int, block_n: int = 32) -> None:
+    """splitspec.kernels.paged_decode against its torch reference: sequences of these lengths
+    on shuffled pages of one layer's cache (each table padded to the longest)."""
+    from splitspec.kernels.paged_decode import paged_decode_attention, paged_decode_reference
+
+    gen = torch.Generator().manual_seed(sum(lengths) * 7 + page + splits)
+    used = [-(-n // page) for n in lengths]
+    pool = sum(used) + 2
+    cache = torch.randn(pool, 2, page, kv_heads, dim, generator=gen).to(dtype).to(device)
+    order = torch.randperm(pool, generator=gen).tolist()
+    width = max(used)
+    table = torch.zeros(len(lengths), 1 + width, dtype=torch.int32)
+    for b, (n, count) in enumerate(zip(lengths, used, strict=True)):
+        table[b, 0] = n
+        table[b, 1:1 + count] = torch.tensor(order[:count])
+        order = order[count:]
+    table = table.to(device)
+    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype).to(device)
+    got = paged_decode_attention(q, cache, table, splits, block_n=block_n)
+    want = paged_decode_reference(q, cache, table)
+    assert got.shape == q.shape and got.dtype == q.dtype
+    what = f"paged_decode {dtype} lengths {lengths} page {page} splits {splits}"
+    if dtype == torch.float32:
+        close(got, want, what)
+    else:  # the kernel rounds the softmax weights to the values' dtype for the dot
+        eps = torch.finfo(dtype).eps
+        bound = 2 * eps * want.float().abs() + eps / 2 * cache.float().abs().max() + 1e-3
+        diff = (got.float() - want.float()).abs()
+        assert bool((diff <= bound).all()), f"{what}: max diff {diff.max():.3g}"
+    # A sequence's output depends on its own keys alone: the first by itself agrees, with
+    # one split or many.
+    for count in (1, splits + 3):
+        alone = paged_decode_attention(q[:1].contiguous(), cache, table[:1].contiguous(), count,
+                                       block_n=block_n)
+        close(alone, got[:1], f"{what}: the first sequence alone, {count} splits",
+              scale=want[:1])
+
+
+def run_paged_decode(device: str) -> None:
+    # one key; a length inside one page; more splits than pages (empty splits)
+    check_paged_decode(device, torch.float32, [1, 5, 40], 16, 4, 2, 32, splits=8)
+    # the 8B head shape (GQA group 4, head dim 128) in bf16, lengths across many pages
+    check_paged_decode(device, torch.bfloat16, [513, 77, 300], 16, 32, 8, 128, splits=16)
+    # no GQA, pages of 4 slots (blocks span pages), fp16, one split
+    check_paged_decode(device, torch.float16, [33, 64], 4, 4, 4, 64, splits=1, block_n=16)
+    # a group of 8 (BLOCK_G 16 rows, half padding), 64-key blocks, odd splits
+    check_paged_decode(device, torch.float32, [200, 3], 16, 16, 2, 64, splits=5, block_n=64)

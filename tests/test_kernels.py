@@ -20,11 +20,12 @@ pytest.importorskip("triton")
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts"])
+@pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
+                                   "run_paged_decode"])
 def test_kernels_match_torch_in_the_interpreter(cases):
     """run: KV compaction; run_fused: norms, rotary, SiLU-and-multiply, the KV store;
     run_tree: the draft's tree-node attention and merge; run_prompts: packed prompts' causal
-    attention."""
+    attention; run_paged_decode: decode attention over the paged cache, split and merged."""
     code = f"from tests.kernel_cases import {cases}; {cases}('cpu'); print('ok')"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -32,7 +33,8 @@ def test_kernels_match_torch_in_the_interpreter(cases):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts"])
+@pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
+                                   "run_paged_decode"])
 def test_kernels_match_torch_on_the_gpu(cases):
     import tests.kernel_cases
 
