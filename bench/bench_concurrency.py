@@ -6,6 +6,9 @@ gateway does), runs the four policies interleaved, ``--repeats`` times each:
 * OFF: no speculation;
 * ON: the draft shape (``--shape``, default the tree of 8 nodes, topk 4, depth 4)
   at every batch size;
+* chain (only with ``--modes``): the adaptive policy's small budget, a chain of 3 nodes, at
+  every batch size (so that ``bench/simulate_policy.py`` can replay each of adaptive's
+  budgets from the same sweep);
 * static: ``gateway.policy.static_policy`` with ``--static-threshold``
   (the gateway's ``--spec-disable-batch-threshold``: speculate up to that batch size);
 * adaptive: one ``gateway.policy.AdaptivePolicy`` per concurrency with the gateway's
@@ -110,7 +113,8 @@ from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
 from splitspec.replay import record, write_records
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
-MODES = ("OFF", "ON", "static", "adaptive")
+MODES = ("OFF", "ON", "chain", "static", "adaptive")
+DEFAULT_MODES = ("OFF", "ON", "static", "adaptive")  # and every report's before "chain"
 AIM = 0.97  # adaptive within 3 % of the best of OFF and ON
 INTERVAL_LEVEL = 0.9     # of the bootstrap interval around adaptive / best
 BOOTSTRAP_SAMPLES = 2000
@@ -130,13 +134,13 @@ def parse_modes(text: str) -> list[str]:
     unknown = sorted(set(modes) - set(MODES))
     if unknown or not {"OFF", "ON"} <= set(modes):
         raise argparse.ArgumentTypeError(
-            f"--modes must name OFF, ON and any of static, adaptive (got {text!r})")
+            f"--modes must name OFF, ON and any of chain, static, adaptive (got {text!r})")
     return [mode for mode in MODES if mode in modes]
 
 
 def modes_of(report: dict[str, Any]) -> list[str]:
-    """The modes a report ran (all four in reports from before --modes)."""
-    return list(report["settings"].get("modes", MODES))
+    """The modes a report ran (the default four in reports from before --modes)."""
+    return list(report["settings"].get("modes", DEFAULT_MODES))
 
 
 def expected_replay_acceptance(corrupt_rate: float, shape: list[int] | tuple[int, ...]) -> float:
@@ -300,7 +304,8 @@ def bootstrap_interval(rates: dict[str, list[float]], level: float = INTERVAL_LE
     return (estimates[int(tail * (samples - 1))], estimates[math.ceil((1 - tail) * (samples - 1))])
 
 
-def summarize(entry: dict[str, Any], modes: list[str] | tuple[str, ...] = MODES) -> dict[str, Any]:
+def summarize(entry: dict[str, Any], modes: list[str] | tuple[str, ...] = DEFAULT_MODES
+              ) -> dict[str, Any]:
     """Medians and ratios of one concurrency's raw runs (`entry` as stored in the JSON);
     the adaptive figures are None where adaptive did not run. ``adaptive_interval``: the
     bootstrap interval of ``adaptive_best`` (None under 3 rounds)."""
@@ -349,7 +354,7 @@ def markdown(report: dict[str, Any]) -> str:
     threshold = settings["static_threshold"]
     prompt_len = f" of {settings['prompt_len']} tokens" if settings["prompts"] == "heldout" else ""
     target = f"target model {settings['target_label']}, " if settings.get("target_label") else ""
-    warm = [m for m in ("OFF", "ON", "adaptive") if m in modes]
+    warm = [m for m in ("OFF", "ON", "chain", "adaptive") if m in modes]
     lines = [
         f"{machine['label']}; torch {machine['torch']}, {machine['device']}; {report['date']}. "
         f"{target}{settings['draft']} draft, {settings['shape_name']} shape "
@@ -362,7 +367,8 @@ def markdown(report: dict[str, Any]) -> str:
                                else "") + "." + acceptance_line(report),
         "",
     ]
-    names = {"OFF": "OFF", "ON": "ON", "static": f"static (<={threshold})", "adaptive": "adaptive"}
+    names = {"OFF": "OFF", "ON": "ON", "chain": "chain 3", "static": f"static (<={threshold})",
+             "adaptive": "adaptive"}
     header = ["concurrency", "prompts", *(f"{names[m]} tok/s" for m in modes), "ON / OFF"]
     if "adaptive" in modes:
         header += ["adaptive / best(OFF, ON)", f"{INTERVAL_LEVEL:.0%} interval"]
@@ -402,10 +408,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
     results = report["results"]
     xs = [entry["concurrency"] for entry in results]
     threshold = report["settings"]["static_threshold"]
-    labels = {"OFF": "OFF", "ON": "ON (always)", "static": f"static (speculate up to {threshold})",
-              "adaptive": "adaptive"}
+    labels = {"OFF": "OFF", "ON": "ON (always)", "chain": "chain of 3 (always)",
+              "static": f"static (speculate up to {threshold})", "adaptive": "adaptive"}
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    markers = dict(zip(MODES, "os^D", strict=True))
+    markers = dict(zip(MODES, "osv^D", strict=True))
     for mode in modes_of(report):
         marker = markers[mode]
         runs = [entry["tokens_per_s"][mode] for entry in results]
@@ -487,7 +493,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
     shape = common_pb2.DraftShape(num_draft_tokens=num, topk=topk, num_steps=steps)
     static = static_policy(args.static_threshold, shape)
     modes = args.modes
-    warm_modes = [mode for mode in ("OFF", "ON", "adaptive") if mode in modes]
+    warm_modes = [mode for mode in ("OFF", "ON", "chain", "adaptive") if mode in modes]
     total = len(args.concurrency) * args.repeats * len(modes)
     done, start = 0, time.perf_counter()
     for concurrency in args.concurrency:
@@ -495,7 +501,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         # one per concurrency: it learns across the repeats
         adaptive = AdaptivePolicy(adaptive_shapes("", shape))
         runs: dict[str, tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None] = {
-            "OFF": None, "ON": SHAPES[args.shape], "static": static, "adaptive": adaptive}
+            "OFF": None, "ON": SHAPES[args.shape], "chain": SHAPES["chain3"], "static": static,
+            "adaptive": adaptive}
         keys = ["tokens_per_s", "wall_s", "accepted_per_verify_step", "speculated_step_share",
                 "mean_decode_batch", "mixed_step_share", "mixed_step_ms", "decode_step_ms",
                 "eager_step_share", "budget_step_shares"] + (
@@ -632,9 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, default=0,
                         help="with --start: both services' --max-context (0: their default); "
                              "sizes the target's KV cache with --max-running")
-    parser.add_argument("--modes", type=parse_modes, default=list(MODES),
-                        help="comma-separated modes to run: OFF and ON, and any of static, "
-                             "adaptive (default: all four)")
+    parser.add_argument("--modes", type=parse_modes, default=list(DEFAULT_MODES),
+                        help="comma-separated modes to run: OFF and ON, and any of chain, "
+                             "static, adaptive (default: OFF, ON, static, adaptive)")
     parser.add_argument("--machine", default="", help="names the machine in the plot and table "
                                                       "(default: described from this host)")
     parser.add_argument("--shape", default="tree", choices=list(SHAPES),

@@ -2,7 +2,7 @@
 best fixed mode, over many seeds, in seconds instead of a sweep's half hour.
 
 The input is a ``bench_concurrency.py --step-trace`` file. Its runs of one fixed mode (OFF,
-ON; ON of ``--shape chain3`` for the chain) give, per concurrency, a pool of steps for each
+ON, chain; or ON of ``--shape chain3`` for the chain) give, per concurrency, a pool of steps for each
 draft budget (0: off), with the machine's slow drift taken out of each run and kept as one
 factor of time that every mode shares (:class:`Machine`). A simulation feeds a fresh
 ``gateway.policy.AdaptivePolicy`` one step after another: the policy's budget for the batch
@@ -60,7 +60,7 @@ def load_runs(paths: list[Path]) -> dict[int, dict[int, list[list[target_pb2.Ste
                 else path.read_text())
         for line in text.splitlines():
             run = json.loads(line)
-            if run["run"] < 0 or run["mode"] not in ("OFF", "ON"):
+            if run["run"] < 0 or run["mode"] not in ("OFF", "ON", "chain"):
                 continue
             fields = run["fields"]
             steps = [target_pb2.StepStats(**dict(zip(fields, row, strict=True)))

@@ -119,6 +119,7 @@ def test_bad_concurrency_lists_are_refused(text):
 
 def test_modes_are_parsed_in_table_order_and_need_off_and_on():
     assert bc.parse_modes("adaptive,ON,OFF") == ["OFF", "ON", "adaptive"]
+    assert bc.parse_modes("adaptive,chain,ON,OFF") == ["OFF", "ON", "chain", "adaptive"]
     for text in ("ON,adaptive", "OFF,ON,fast", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             bc.parse_modes(text)

@@ -65,6 +65,15 @@ def test_adaptive_replayed_on_traces_runs_the_mode_that_pays(tmp_path):
     assert slow["ratio_median"] > 0.95, slow
 
 
+def test_a_sweeps_chain_runs_are_the_chains_pool(tmp_path):
+    """bench_concurrency's chain mode (a chain of 3 at every batch size) gives the chain its
+    own pool, beside OFF's and the tree's from the same sweep."""
+    path = write_trace(tmp_path / "t.jsonl", 0.020)
+    with path.open("a") as out:
+        out.write(trace_line("chain", 0, 3, 0.015, 2, 100) + "\n")
+    assert {b: len(r) for b, r in sp.load_runs([path])[1].items()} == {0: 2, 8: 2, 3: 1}
+
+
 def test_the_drift_of_a_run_is_shared_by_all_modes_not_replayed_per_mode(tmp_path):
     """A run whose steps slow down from 10 to 20 ms: its pool keeps the mean step time but not
     the ramp, and the ramp becomes the drift every mode's steps are multiplied by."""
