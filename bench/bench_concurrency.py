@@ -1,7 +1,8 @@
 """Tokens per second against concurrency for the speculation policies: OFF, ON, static, adaptive.
 
 For each concurrency (requests kept in flight on one Serve stream, as the
-gateway does), runs the four policies interleaved, ``--repeats`` times each:
+gateway does), runs the policies ``--modes`` names (by default these four) interleaved,
+``--repeats`` times each:
 
 * OFF: no speculation;
 * ON: the draft shape (``--shape``, default the tree of 8 nodes, topk 4, depth 4)
@@ -24,7 +25,7 @@ too. Medians are reported; a ratio is the median of the per-repeat ratios
 (modes interleaved, so drift hits all alike); "best" is whichever of OFF and
 ON has the higher median. Beside adaptive / best goes a 90 % bootstrap interval (whole
 rounds resampled, the best chosen again in each resample): on a 2-core CPU two runs of
-one mode differ by up to 15 % (an A/A sweep, docs/benchmarks.md), so a few rounds
+one mode differ by up to 16 % (an A/A sweep, docs/benchmarks.md), so a few rounds
 cannot resolve a 3 % aim, and the interval says where they did not. Writes a markdown
 table (``--out-md``), the raw numbers with the machine and command (``--out-json``) and a plot
 (``--out-png``, needs ``pip install -e '.[bench]'``)::
