@@ -49,3 +49,17 @@ def test_bad_slot_lists_are_refused():
         compact_kv(data, torch.tensor([1, 2]), torch.tensor([1]))
     with pytest.raises(ValueError, match="contiguous"):
         compact_kv(data.transpose(2, 3), torch.tensor([1]), torch.tensor([0]))
+
+
+def test_paged_decode_refuses_inconsistent_inputs():
+    from splitspec.kernels.paged_decode import paged_decode_attention
+
+    q = torch.zeros(2, 4, 32)
+    cache = torch.zeros(3, 2, 16, 2, 32)
+    table = torch.ones(2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="inconsistent inputs"):
+        paged_decode_attention(q, cache, table.long(), 4)  # the table must be int32
+    with pytest.raises(ValueError, match="inconsistent inputs"):
+        paged_decode_attention(q, cache, table[:1], 4)  # a row per sequence
+    with pytest.raises(ValueError, match="scratch"):  # scratch for 2 splits, 4 asked
+        paged_decode_attention(q, cache, table, 4, torch.zeros(2, 4, 2, 32), torch.zeros(2, 4, 2))

@@ -152,6 +152,13 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, table: torch.Te
         part_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     if part_lse is None:
         part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    if (tuple(part_out.shape) != (batch, heads, splits, dim) or part_out.stride(3) != 1
+            or tuple(part_lse.shape) != (batch, heads, splits)
+            or {part_out.dtype, part_lse.dtype} != {torch.float32}):
+        raise ValueError(f"paged_decode_attention: scratch {tuple(part_out.shape)} "
+                         f"{part_out.dtype} and {tuple(part_lse.shape)} {part_lse.dtype}, "
+                         f"need float32 [{batch}, {heads}, {splits}, {dim}] and "
+                         f"[{batch}, {heads}, {splits}]")
     group = heads // kv_heads
     table = table.contiguous()
     most_keys = page * (table.shape[1] - 1)  # the interpreter's fixed count covers a full table
