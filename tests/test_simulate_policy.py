@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import simulate_policy as sp  # bench/ is a script folder, not a package
 from bench_concurrency import TRACE_FIELDS
 
-from gateway.policy import AdaptivePolicy, adaptive_shapes
+from gateway.policy import AdaptivePolicy, adaptive_shapes, static_policy
 
 
 def trace_line(mode: str, run: int, budget: int, period_s: float, committed: int,
@@ -93,7 +93,23 @@ def test_the_command_line_prints_a_line_per_concurrency(tmp_path, capsys):
     path = write_trace(tmp_path / "t.jsonl", 0.020)
     assert sp.main([str(path), "--seeds", "2", "--steps", "800", "--settle", "200"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("concurrency 1: off: ") and "adaptive / best: median" in out
+    assert out.startswith("concurrency 1: off: ") and "adaptive / best (8): median" in out
+
+
+def test_a_policy_that_always_runs_the_best_budget_scores_exactly_one(tmp_path):
+    """The comparison is the same seed's run of the best budget (the one of the highest
+    median over the seeds): the same drift and pool starts, so running it is a ratio of 1."""
+    machine = sp.Machine(sp.load_runs([write_trace(tmp_path / "t.jsonl", 0.020)])[1], 32)
+
+    class TreeAlways:  # what summarize needs of a policy
+        policy = static_policy(0, sp.TREE)
+
+        def observe(self, stats):
+            return None
+
+    result = sp.summarize(machine, 1, TreeAlways, seeds=4, steps=900, settle=100)
+    assert result["best"] == 8
+    assert result["ratio_min"] == result["ratio_median"] == 1.0
 
 
 def test_gzipped_traces_load_as_the_plain_ones(tmp_path):
