@@ -274,12 +274,20 @@ def mean_decode_batch(stats: RunStats) -> float:
     return statistics.fmean(decode) if decode else 0.0
 
 
+def best_of(rates: dict[str, list[float]]) -> str:
+    """The better of OFF and ON: the one of the higher median (ON on a tie)."""
+    return "ON" if statistics.median(rates["ON"]) >= statistics.median(rates["OFF"]) else "OFF"
+
+
+def per_round(rates: dict[str, list[float]], a: str, b: str) -> float:
+    """The median of mode a's per-round rates over mode b's (rounds paired)."""
+    return statistics.median(x / y for x, y in zip(rates[a], rates[b], strict=True))
+
+
 def adaptive_over_best(rates: dict[str, list[float]]) -> tuple[float, str]:
-    """Adaptive over the best of OFF and ON (the one of the higher median): the median of
-    the per-round ratios, and which mode was best."""
-    best = "ON" if statistics.median(rates["ON"]) >= statistics.median(rates["OFF"]) else "OFF"
-    return statistics.median(x / y for x, y in zip(rates["adaptive"], rates[best],
-                                                   strict=True)), best
+    """Adaptive over the best of OFF and ON, per round (median), and which mode was best."""
+    best = best_of(rates)
+    return per_round(rates, "adaptive", best), best
 
 
 def bootstrap_interval(rates: dict[str, list[float]], level: float = INTERVAL_LEVEL,
@@ -312,14 +320,11 @@ def summarize(entry: dict[str, Any], modes: list[str] | tuple[str, ...] = DEFAUL
     bootstrap interval of ``adaptive_best`` (None under 3 rounds)."""
     rates = entry["tokens_per_s"]
     med = {mode: statistics.median(rates[mode]) for mode in modes}
-    per_repeat = lambda a, b: statistics.median(  # noqa: E731
-        x / y for x, y in zip(rates[a], rates[b], strict=True))
-    best = "ON" if med["ON"] >= med["OFF"] else "OFF"
-    on_off = per_repeat("ON", "OFF")
+    best, on_off = best_of(rates), per_round(rates, "ON", "OFF")
     adaptive_best = adaptive_off = aim_met = interval = None
     if "adaptive" in modes:
-        adaptive_best, best = adaptive_over_best(rates)
-        adaptive_off = per_repeat("adaptive", "OFF")
+        adaptive_best, adaptive_off = per_round(rates, "adaptive", best), per_round(
+            rates, "adaptive", "OFF")
         aim_met = adaptive_best >= AIM and (on_off <= 1 or adaptive_off > 1)
         interval = bootstrap_interval(rates)
     return {"concurrency": entry["concurrency"], "median": med, "best": best, "on_off": on_off,
