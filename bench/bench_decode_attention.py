@@ -34,8 +34,9 @@ from typing import Any
 
 import torch
 
+from splitspec.attention.decode_table import splits_for
 from splitspec.attention.flashinfer_backend import WORKSPACE_BYTES, import_flashinfer
-from splitspec.kernels.paged_decode import paged_decode_attention, splits_for
+from splitspec.kernels.paged_decode import paged_decode_attention
 
 VARIANTS = {  # name: (wrapper options, plan options) for flashinfer; None for Triton
     "tc": ({"use_tensor_cores": True}, {}),

@@ -25,12 +25,14 @@ prefix and batches larger than the largest bucket run eagerly.
 Before each replay only host work happens outside the graph: the inputs (ids,
 positions, KV write slots, the prompts' starts and logit rows, padded) are
 written to a pinned host buffer and copied into the graph's static buffer in
-one copy, and its flashinfer decode wrapper (built in CUDA-graph mode with
-buffers of its own) is planned for the real pages. For q = 1 that wrapper is
-the whole attention. A verify graph attends in two parts
-(splitspec/attention/cascade.py): the wrapper runs q rows per sequence over
-its committed slots, and the tree's own K/V, dense, go through the [q, q]
-tree tables copied into a static buffer; no [q, kv_len] mask is built. Every
+one copy. A decode graph (q = 1) plans nothing on the host: each row's length
+and pages go in one more copy, into a table its attention kernel reads on the
+device (splitspec/attention/decode_table.py). A verify graph attends in two
+parts (splitspec/attention/cascade.py): a flashinfer decode wrapper (built in
+CUDA-graph mode with buffers of its own, planned for the real pages before
+each replay) runs q rows per sequence over its committed slots, and the
+tree's own K/V, dense, go through the [q, q] tree tables copied into a static
+buffer; no [q, kv_len] mask is built. Every
 graph leaves its logits in one buffer all graphs share (replays are one at a
 time, and what a replay returns is copied out before the next), so the
 graphs cost no more logits memory than the largest of them.
@@ -43,6 +45,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
 from splitspec.attention.base import (
@@ -53,14 +56,14 @@ from splitspec.attention.base import (
     SplitMetadata,
 )
 from splitspec.attention.cascade import FlashInferPrefix, TreeVerifyAttention, TreeVerifyMetadata
-from splitspec.attention.flashinfer_backend import (
-    WORKSPACE_BYTES,
-    AttentionShape,
-    FlashInferMetadata,
-    PagedLayout,
-    PlannedAttention,
-    import_flashinfer,
+from splitspec.attention.decode_table import (
+    DecodeTableAttention,
+    DecodeTableMetadata,
+    block_keys,
+    fill_decode_table,
+    splits_for,
 )
+from splitspec.attention.flashinfer_backend import WORKSPACE_BYTES, AttentionShape, PagedLayout
 from splitspec.attention.prompts import (
     PromptAttention,
     PromptMetadata,
@@ -102,9 +105,8 @@ class StepPlan(NamedTuple):
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    wrapper: Any                 # the step part's decode wrapper (q = 1) or FlashInferPrefix
-                                 # (verify), in CUDA-graph mode, planned before replay; None
-                                 # without a step part
+    wrapper: Any                 # a verify graph's FlashInferPrefix, in CUDA-graph mode,
+                                 # planned before replay; None for decode and prompts alone
     inputs: torch.Tensor         # [5, W] int64 static inputs, the prompt rows then the step's:
                                  # ids, positions, write slots, each prompt row's first row
                                  # (prompt rows only), and the rows whose logits are taken
@@ -116,6 +118,13 @@ class _Graph:
     logits: torch.Tensor         # [P + b * q, V] static outputs, in the shared buffer (P:
                                  # MAX_PROMPT_LOGITS with prompts, else 0)
     aux: torch.Tensor | None     # [tokens + b * q, k * H]
+    context: AttentionContext | None = None  # what the graph's attention reads and writes
+    # outside the graph's pool (a decode graph's table and split scratch): kept alive as
+    # long as the graph, or the allocator hands that memory to other tensors while every
+    # replay still writes it
+    table: torch.Tensor | None = None  # a decode graph's [b, 1 + P] int32 (decode_table.py)
+    table_staged: torch.Tensor | None = None  # its pinned host twin
+    table_staging: Any = None          # numpy view of the twin
 
 
 class StepGraphs:
@@ -211,13 +220,15 @@ class StepGraphs:
         step_rows = len(steps) * key.q_len
         if key.size:
             padded = [*steps, *self._padding(key.size - len(steps), key.q_len)]
-            layout = PagedLayout.of(padded, self.shape.page_size)
-            self._plan(g.wrapper, layout, padded, key.q_len)
-            if g.trees is not None:
+            if key.q_len > 1:
+                layout = PagedLayout.of(padded, self.shape.page_size)
+                g.wrapper.plan([seq.table for seq in padded],
+                               [seq.kv_len - key.q_len for seq in padded], key.q_len,
+                               self.device)  # the committed slots, each row over them
                 g.trees.copy_(torch.stack([seq.tree for seq in padded]), non_blocking=True)
         wanted = [row for row in logit_rows if row < tokens] if tokens else []
         ids_np, positions_np = ids.cpu().numpy(), positions.cpu().numpy()
-        g.copied.synchronize()  # the last replay's inputs have left the pinned buffer
+        g.copied.synchronize()  # the last replay's inputs have left the pinned buffers
         staging = g.staging
         if key.tokens:  # padding rows: token 0 at position 0, one-row prompts on a scratch slot
             end = key.tokens
@@ -233,7 +244,12 @@ class StepGraphs:
             staging[0, start:start + step_rows] = ids_np[tokens:]
             staging[1, start:start + step_rows] = positions_np[tokens:]
             staging[:2, start + step_rows:end] = 0
-            staging[2, start:end] = layout.write_slots.numpy()
+            if key.q_len == 1:  # the lengths and pages, read by the kernel on the device
+                fill_decode_table(padded, self.shape.page_size, g.table_staging,
+                                  staging[2, start:end])
+                g.table.copy_(g.table_staged, non_blocking=True)
+            else:
+                staging[2, start:end] = layout.write_slots.numpy()
         g.inputs.copy_(g.staged, non_blocking=True)
         g.copied.record()
         g.graph.replay()
@@ -252,31 +268,10 @@ class StepGraphs:
         tree = torch.ones(q_len, q_len, dtype=torch.bool)
         return [SeqAttention(table, kv_len=q_len + 1, q_len=q_len, tree=tree)] * count
 
-    def _plan(self, wrapper: Any, layout: PagedLayout, seqs: list[SeqAttention], q_len: int) -> None:
-        shape = self.shape
-        if q_len == 1:
-            wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.last_page_len,
-                         shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.page_size,
-                         pos_encoding_mode="NONE", q_data_type=shape.dtype,
-                         kv_data_type=shape.dtype)
-        else:  # the committed slots, each sequence's q rows over them
-            wrapper.plan([seq.table for seq in seqs], [seq.kv_len - q_len for seq in seqs],
-                         q_len, self.device)
-
-    def _wrapper(self, size: int, q_len: int) -> Any:
+    def _prefix(self, size: int, q_len: int) -> FlashInferPrefix:
+        """A verify graph's prefix attention: size * q_len rows over at most max_kv_len slots."""
         pages_per_seq = -(-self.max_kv_len // self.shape.page_size)
-        if q_len > 1:
-            return FlashInferPrefix(self.shape, self.workspace, size * q_len, pages_per_seq)
-
-        def int32(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int32, device=self.device)
-
-        return import_flashinfer().BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True,
-            use_tensor_cores=self.shape.use_tensor_cores,
-            paged_kv_indptr_buffer=int32(size + 1),
-            paged_kv_indices_buffer=int32(size * pages_per_seq),
-            paged_kv_last_page_len_buffer=int32(size))
+        return FlashInferPrefix(self.shape, self.workspace, size * q_len, pages_per_seq)
 
     def _capture(self, key: GraphKey) -> _Graph:
         size, q_len, capture, tokens = key
@@ -290,23 +285,25 @@ class StepGraphs:
         ids, positions, write_slots, starts = inputs[:4, :rows].unbind()
         logit_rows = inputs[4, :first + step_rows]
         parts: list[tuple[AttentionBackend, AttentionMetadata]] = []
-        wrapper = trees = None
+        wrapper = trees = table = table_staged = None
         if tokens:  # one-row prompts on the scratch slot until replayed
             write_slots[:tokens].fill_(self.scratch_pages[0] * self.shape.page_size)
             starts[:tokens].copy_(torch.arange(tokens))
             parts.append((PromptAttention(), PromptMetadata(write_slots[:tokens],
                                                             starts[:tokens])))
         if size:
-            wrapper = self._wrapper(size, q_len)
             padded = self._padding(size, q_len)
-            layout = PagedLayout.of(padded, self.shape.page_size)
-            self._plan(wrapper, layout, padded, q_len)
             slots = write_slots[tokens:]
-            slots.copy_(layout.write_slots)
             logit_rows[first:].copy_(torch.arange(tokens, rows))
             if q_len == 1:
-                parts.append((PlannedAttention(), FlashInferMetadata(slots, wrapper)))
+                parts.append((DecodeTableAttention(), self._decode_table(padded, slots)))
+                table = parts[-1][1].table
+                table_staged = torch.zeros(table.shape, dtype=torch.int32, pin_memory=True)
             else:
+                wrapper = self._prefix(size, q_len)
+                wrapper.plan([seq.table for seq in padded],
+                             [seq.kv_len - q_len for seq in padded], q_len, self.device)
+                slots.copy_(PagedLayout.of(padded, self.shape.page_size).write_slots)
                 trees = torch.ones(size, q_len, q_len, dtype=torch.bool, device=self.device)
                 parts.append((TreeVerifyAttention(), TreeVerifyMetadata(slots, wrapper, trees)))
         backend, meta = parts[0] if len(parts) == 1 else (
@@ -325,7 +322,28 @@ class StepGraphs:
         graph, aux = self._record(forward)
         copied = torch.cuda.Event()
         copied.record()
-        return _Graph(graph, wrapper, inputs, staged.numpy(), staged, copied, trees, logits, aux)
+        return _Graph(graph, wrapper, inputs, staged.numpy(), staged, copied, trees, logits, aux,
+                      ctx, table, table_staged,
+                      None if table_staged is None else table_staged.numpy())
+
+    def _decode_table(self, padding: list[SeqAttention], slots: torch.Tensor
+                      ) -> DecodeTableMetadata:
+        """A decode graph's attention inputs, filled for its padding rows: its table (room
+        for max_kv_len slots a row), the kernel's split and its scratch."""
+        size, shape = len(padding), self.shape
+        width = -(-self.max_kv_len // shape.page_size)
+        table = np.zeros((size, 1 + width), dtype=np.int32)
+        written = np.zeros(size, dtype=np.int64)
+        fill_decode_table(padding, shape.page_size, table, written)
+        processors = torch.cuda.get_device_properties(self.device).multi_processor_count
+        splits = splits_for(size, shape.num_kv_heads, processors)
+        slots.copy_(torch.from_numpy(written))
+        return DecodeTableMetadata(
+            slots, torch.from_numpy(table).to(self.device), splits,
+            torch.empty(size, shape.num_heads, splits, shape.head_dim, dtype=torch.float32,
+                        device=self.device),
+            torch.empty(size, shape.num_heads, splits, dtype=torch.float32, device=self.device),
+            block_keys(size))
 
     def _record(self, forward: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         """Warm forward up on a side stream (lazy initialisation must not happen in capture),

@@ -210,22 +210,20 @@ def graphed_and_eager_runs(steps: int, tree: list[int] | None) -> dict:
 @pytest.mark.parametrize("tree", [None, TREE], ids=["decode", "verify"])
 def test_step_graphs_match_eager_steps(tree):
     """Graphs (decode, and verify of an 8-node tree) against eager steps of the same backend.
-    Decode runs the same kernels both ways: the same tokens at every row, logits equal to
-    bf16 noise. A verify graph attends in two parts merged (cascade.py) where the eager
-    step runs FA2 with the spelled-out mask: logits within bf16 rounding of attention
-    (relative to the largest logit), argmax the same but for near-ties."""
+    Neither runs the eager step's attention kernel: a decode graph attends with
+    splitspec/kernels/paged_decode.py where the eager step runs flashinfer's decode, and a
+    verify graph in two parts merged (cascade.py) where the eager step runs FA2 with the
+    spelled-out mask. So: logits within bf16 rounding of attention (relative to the
+    largest logit), argmax the same but for near-ties."""
     runs = graphed_and_eager_runs(40 if tree is None else 20, tree)
     graphed, eager = runs[True][1].float(), runs[False][1].float()
     error = ((graphed - eager).abs().max() / eager.abs().max()).item()
     same = [a == b for rows_g, rows_e in zip(runs[True][0], runs[False][0], strict=True)
             for a, b in zip(rows_g, rows_e, strict=True)]
     print(f"relative logit error {error:.2e}, identical argmax {sum(same)}/{len(same)}")
-    if tree is None:
-        assert all(same)
-        assert error < 1e-4, error
-    else:  # measured on an H200: 1.3e-2 and 530 of 540
-        assert error < 3e-2, error
-        assert sum(same) >= 0.95 * len(same)
+    # measured on an H200: decode 1.1e-2 and 118 of 120, verify 1.3e-2 and 530 of 540
+    assert error < 3e-2, error
+    assert sum(same) >= 0.95 * len(same)
 
 
 def builtin_graphs(buckets: tuple[int, ...], q_lens: tuple[int, ...],

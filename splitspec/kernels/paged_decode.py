@@ -1,6 +1,6 @@
 """Decode attention over a paged KV cache with no host planning: one query token per
-sequence, its pages and length read on the device. Meant for the target's decode graphs;
-not called by the engine yet (bench/bench_decode_attention.py measures it against
+sequence, its pages and length read on the device: the target's decode graphs
+(splitspec/attention/decode_table.py; bench/bench_decode_attention.py measures it against
 flashinfer's decode).
 
 flashinfer's paged decode is planned on the host before every call (0.22 ms of a
@@ -120,12 +120,6 @@ def _merge_kernel(part_out, part_lse, out, p_seq, p_head, p_split, l_seq, l_head
                     mask=has_s[:, None], other=0.0)
     merged = tl.sum(weights[:, None] * parts, axis=0) / tl.sum(weights, axis=0)
     tl.store(out + b * o_seq + h * o_head + d, merged.to(out.dtype.element_ty))
-
-
-def splits_for(batch: int, kv_heads: int, processors: int) -> int:
-    """Splits per (sequence, KV head) that fill about two waves of ``processors`` blocks, at
-    least 1 and at most 32."""
-    return max(1, min(32, -(-2 * processors // (batch * kv_heads))))
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
