@@ -1,12 +1,14 @@
 # Source on the GPU machine (the device tool's run), from the repository root, with ".whl"
 # (bench/device/wheels.sh) and optionally ".out" carried:
 #     source bench/device/setup.sh
-# Installs the carried wheels into .site (no index there), puts .site and the repository on
-# PYTHONPATH, and points flashinfer's JIT cache at .fiws, restored from .out/fiws.txz when
-# carried. save_kernel_cache writes .fiws back to $OUT/fiws.txz, for the next call's .out.
-python3 -m pip install -q --no-deps --no-index --target .site .whl/*.whl 2>&1 | grep -v WARNING
+# Unpacks the carried packages (.whl/site.txz) into .site (there is no index there), puts
+# .site and the repository on PYTHONPATH, and points flashinfer's JIT cache and Triton's
+# kernel cache into .fiws, restored from .out/fiws.txz when carried. save_kernel_cache
+# writes .fiws back to $OUT/fiws.txz: copy it to .out/ here for the next call.
+mkdir -p .site && tar -xJf .whl/site.txz -C .site --strip-components=1
 export PYTHONPATH="$PWD/.site:$PWD"
 export FLASHINFER_WORKSPACE_BASE="$PWD/.fiws"
+export TRITON_CACHE_DIR="$PWD/.fiws/triton"
 mkdir -p .fiws
 if [ -f .out/fiws.txz ]; then tar -xJf .out/fiws.txz -C .fiws; fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
