@@ -80,17 +80,17 @@ class NodeAttention(AttentionBackend):
         scratch, end = meta.scratch[layer], meta.start + width
         scratch[0, :, meta.start:end] = k.view(b, width, kv_heads, dim)
         scratch[1, :, meta.start:end] = v.view(b, width, kv_heads, dim)
+        keys, values, allowed = scratch[0, :, :end], scratch[1, :, :end], meta.allowed[:, :, :end]
+        if meta.rows == width or meta.prefix.any_rows:
+            return meta.prefix.attend_with(layer, q, cache, keys, values, allowed)
         out_p, lse_p = self._prefix(layer, q, meta, cache, b, width)
-        return merge_with_prefix(q, scratch[0, :, :end], scratch[1, :, :end],
-                                 meta.allowed[:, :, :end], out_p, lse_p, meta.prefix.lse_scale)
+        return merge_with_prefix(q, keys, values, allowed, out_p, lse_p, meta.prefix.lse_scale)
 
     @staticmethod
     def _prefix(layer: int, q: torch.Tensor, meta: NodeMetadata, cache: KVCache, b: int,
                 width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefix attention of W rows per sequence, through a plan of ``meta.rows`` rows
         per sequence (the catch-up chain and the levels share one plan; padding rows are 0)."""
-        if meta.rows == width:
-            return meta.prefix.attend(layer, q, cache)
         heads, dim = q.shape[1], q.shape[2]
         padded = q.new_zeros(b, meta.rows, heads, dim)
         padded[:, :width] = q.view(b, width, heads, dim)

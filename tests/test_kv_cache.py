@@ -58,3 +58,33 @@ def test_repeated_rows_list_each_sequences_pages_once_per_row():
     assert last.tolist() == [1, 1, 3, 3]
     with pytest.raises(ValueError, match="prefix of 0 slots"):
         repeated_rows(tables, [9, 0], 1, 4)
+
+
+def test_torch_prefix_attends_prefix_and_dense_keys_in_one_softmax_and_rereads_on_plan():
+    """TorchPrefix.attend_with (one softmax over the prefix and the dense keys) equals the
+    two parts merged by log-sum-exp, for rows fewer than planned too; and a new plan reads
+    the cache again (each layer's prefix K/V are kept only between plans)."""
+    from splitspec.attention.cascade import TorchPrefix, masked_attention, merge_attention
+
+    gen = torch.Generator().manual_seed(4)
+    heads, kv_heads, dim, page = 4, 2, 16, 4
+    cache = KVCache(2, 12, page, kv_heads, dim, torch.float32, "cpu")
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    tables = [PageTable(page, [7, 2, 9], 10), PageTable(page, [5, 0], 6)]
+    prefix = TorchPrefix()
+    prefix.plan(tables, [9, 3], 4, "cpu")
+    for width in (4, 2):  # as planned; fewer rows (a drafting level after the catch-up)
+        q = torch.randn(2 * width, heads, dim, generator=gen)
+        keys = torch.randn(2, 5, kv_heads, dim, generator=gen)
+        values = torch.randn(2, 5, kv_heads, dim, generator=gen)
+        allowed = torch.rand(2, width, 5, generator=gen) < 0.5
+        allowed[:, :, 0] = True
+        out_p, lse_p = prefix.attend(1, q, cache)
+        out_t, lse_t = masked_attention(q.view(2, width, kv_heads, -1, dim), keys, values, allowed)
+        want = merge_attention(out_p, lse_p, out_t.reshape(q.shape), lse_t.reshape(q.shape[:2]))
+        got = prefix.attend_with(1, q, cache, keys, values, allowed)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    before = prefix.attend(1, q, cache)[0]
+    cache.data[1].add_(1.0)  # new K/V for the same slots, then a new plan
+    prefix.plan(tables, [9, 3], 4, "cpu")
+    assert not torch.allclose(prefix.attend(1, q, cache)[0], before)

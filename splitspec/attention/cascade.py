@@ -66,6 +66,8 @@ class PrefixAttention(ABC):
     pass (or per draft call), run per layer."""
 
     lse_scale = 1.0  # what turns attend()'s log-sum-exp into a natural log
+    any_rows = False  # whether attend takes any number of rows per sequence, not only the
+                      # number planned
 
     @abstractmethod
     def plan(self, tables: list[PageTable], lengths: list[int], rows_per_seq: int,
@@ -77,9 +79,22 @@ class PrefixAttention(ABC):
     def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         """q [N, H, D] -> out [N, H, D], lse [N, H] (times lse_scale: natural log)."""
 
+    def attend_with(self, layer: int, q: torch.Tensor, cache: KVCache, keys: torch.Tensor,
+                    values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """:func:`cascade_attention`: the prefix and the dense keys, merged."""
+        out_p, lse_p = self.attend(layer, q, cache)
+        return merge_with_prefix(q, keys, values, allowed, out_p, lse_p, self.lse_scale)
+
 
 class TorchPrefix(PrefixAttention):
-    """The reference: each sequence's slots gathered from the pages, padded to the longest."""
+    """The reference: each sequence's slots gathered from the pages, padded to the longest.
+
+    A layer's prefix K/V are gathered once per plan (the prefix does not change between
+    plans: a draft call's levels attend to it again and again), and :meth:`attend_with` is
+    one softmax over the prefix and the dense keys together (on CPU the second pass and
+    the merge cost more than the work they do)."""
+
+    any_rows = True
 
     def plan(self, tables: list[PageTable], lengths: list[int], rows_per_seq: int,
              device: torch.device) -> None:
@@ -91,16 +106,34 @@ class TorchPrefix(PrefixAttention):
             valid.append(torch.arange(longest) < n)
         self._slots = torch.stack(slots).to(device)              # [B, T]
         self._valid = torch.stack(valid).to(device)[:, None, :]  # [B, 1, T]
-        self._rows = rows_per_seq
+        self._kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _keys(self, layer: int, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's prefix K and V [B, T, H_kv, D] in float32, read once per plan."""
+        if layer not in self._kv:
+            b, t = self._slots.shape
+            k, v = cache.read(layer, self._slots.reshape(-1))
+            self._kv[layer] = (k.view(b, t, *k.shape[1:]).float(),
+                               v.view(b, t, *v.shape[1:]).float())
+        return self._kv[layer]
+
+    def _split(self, q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """q [B * W, H, D] as [B, W, H_kv, G, D]."""
+        b, heads, dim = self._slots.shape[0], q.shape[1], q.shape[2]
+        return q.view(b, -1, kv_heads, heads // kv_heads, dim)
 
     def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        b, t = self._slots.shape
-        k, v = cache.read(layer, self._slots.reshape(-1))
-        heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
-        out, lse = masked_attention(q.view(b, self._rows, kv_heads, heads // kv_heads, dim),
-                                    k.view(b, t, kv_heads, dim), v.view(b, t, kv_heads, dim),
-                                    self._valid)
+        k, v = self._keys(layer, cache)
+        out, lse = masked_attention(self._split(q, k.shape[2]), k, v, self._valid)
         return out.reshape(q.shape), lse.reshape(q.shape[:2])
+
+    def attend_with(self, layer: int, q: torch.Tensor, cache: KVCache, keys: torch.Tensor,
+                    values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        k, v = self._keys(layer, cache)
+        mask = torch.cat((self._valid.expand(-1, allowed.shape[1], -1), allowed), dim=2)
+        out, _ = masked_attention(self._split(q, k.shape[2]), torch.cat((k, keys.float()), 1),
+                                  torch.cat((v, values.float()), 1), mask)
+        return out.reshape(q.shape).to(q.dtype)
 
 
 def repeated_rows(tables: list[PageTable], lengths: list[int], rows_per_seq: int,
@@ -171,8 +204,7 @@ def cascade_attention(layer: int, q: torch.Tensor, keys: torch.Tensor, values: t
     """q [B * W, H, D] attends to its sequence's planned prefix and to the dense keys, values
     [B, T, H_kv, D] that ``allowed`` [B, W, T] lets each row see (at least one: itself);
     returns [B * W, H, D] in q's dtype."""
-    out_p, lse_p = prefix.attend(layer, q, cache)
-    return merge_with_prefix(q, keys, values, allowed, out_p, lse_p, prefix.lse_scale)
+    return prefix.attend_with(layer, q, cache, keys, values, allowed)
 
 
 def merge_with_prefix(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
