@@ -52,7 +52,7 @@ from draft_service.models import Eagle3Draft
 from draft_service.startup import warmup_inputs
 from draft_service.tree_search import TreeSearch
 from splitspec.attention import AttentionShape, SeqAttention, choose_backend, make_backend
-from splitspec.attention.cascade import prefix_attention_for
+from splitspec.attention.decode_table import prefix_attention_for
 from splitspec.attention.flashinfer_backend import FlashInferBackend
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
 from splitspec.cuda_graphs import PROMPT_BUCKETS, StepGraphs

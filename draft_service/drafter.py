@@ -50,7 +50,7 @@ import torch
 from draft_service.models import DraftModel, EntrySpan
 from draft_service.tree_search import Candidates, CatchUp, TreeSearch
 from splitspec.attention.base import AttentionBackend, SeqAttention
-from splitspec.attention.cascade import prefix_attention_for
+from splitspec.attention.decode_table import prefix_attention_for
 from splitspec.kv_cache import KVCache, OutOfPages, PagePool, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.loader import DTYPES

@@ -37,7 +37,7 @@ from splitspec.attention import (
     choose_backend,
     make_backend,
 )
-from splitspec.attention.cascade import prefix_attention_for
+from splitspec.attention.decode_table import prefix_attention_for
 from splitspec.cuda_graphs import buckets_up_to
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, Startup

@@ -44,7 +44,8 @@ from typing import TYPE_CHECKING, NamedTuple, TypeVar
 import torch
 
 from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAttention
-from splitspec.attention.cascade import FlashInferPrefix, PrefixAttention, merge_with_prefix
+from splitspec.attention.cascade import PrefixAttention, merge_with_prefix
+from splitspec.attention.decode_table import TablePrefix, scratch_floats
 from splitspec.attention.flashinfer_backend import FlashInferBackend
 from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
@@ -148,7 +149,7 @@ class _Chain:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    prefix: FlashInferPrefix  # its wrapper in CUDA-graph mode, planned before each replay
+    prefix: TablePrefix       # its table, planned (filled and copied) before each replay
     roots: torch.Tensor       # [size, X]: static input (search) or output (caught up)
     positions: torch.Tensor   # [size * topk] static input: each row's last entry position
     packed: torch.Tensor      # [3, size, C] static output (see TreeSearch._levels)
@@ -177,6 +178,7 @@ class TreeSearch:
         self.caught_up: dict[GraphKey, _Graph] = {}
         self._buckets: tuple[int, ...] = ()
         self._pad_table: PageTable | None = None
+        self._scratch: torch.Tensor | None = None  # the graphs' prefix scratch (capture)
 
     def run(self, roots: torch.Tensor, tables: list[PageTable], num_entries: list[int],
             shape: TreeShape) -> Candidates:
@@ -290,10 +292,14 @@ class TreeSearch:
         self.use_pad_page(pad_page)
         pool = torch.cuda.graph_pool_handle()
         max_pages = -(-max_context // page)
+        # one scratch for every graph's prefix kernel (replays run one at a time)
+        self._scratch = torch.empty(max(
+            scratch_floats(backend.shape, size, max(depth + 1, topk), device)
+            for topk, depth in shapes for size in buckets), dtype=torch.float32, device=device)
         for topk, depth in shapes:
             for size in sorted(buckets, reverse=True):
                 key = GraphKey(size, topk, depth)
-                prefix = FlashInferPrefix(backend.shape, backend.workspace, size * topk, max_pages)
+                prefix = TablePrefix(backend.shape, device, size, topk, max_pages, self._scratch)
                 prefix.plan([self._pad_table] * size, [1] * size, topk, device)
                 roots = torch.zeros(size, self.model.state_width, dtype=self.model.dtype, device=device)
                 positions = torch.zeros(size * topk, dtype=torch.int64, device=device)
@@ -302,7 +308,7 @@ class TreeSearch:
                 self.graphs[key] = _Graph(graph, prefix, roots, positions, packed)
                 width = depth + 1
                 rows = max(width, topk)
-                prefix = FlashInferPrefix(backend.shape, backend.workspace, size * rows, max_pages)
+                prefix = TablePrefix(backend.shape, device, size, rows, max_pages, self._scratch)
                 prefix.plan([self._pad_table] * size, [1] * size, rows, device)
                 chain = self._to(self._chain([CatchUp(self._pad_table, 1, [0], None)] * size,
                                              width, topk), device)

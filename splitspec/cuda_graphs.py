@@ -28,14 +28,13 @@ written to a pinned host buffer and copied into the graph's static buffer in
 one copy. A decode graph (q = 1) plans nothing on the host: each row's length
 and pages go in one more copy, into a table its attention kernel reads on the
 device (splitspec/attention/decode_table.py). A verify graph attends in two
-parts (splitspec/attention/cascade.py): a flashinfer decode wrapper (built in
-CUDA-graph mode with buffers of its own, planned for the real pages before
-each replay) runs q rows per sequence over its committed slots, and the
-tree's own K/V, dense, go through the [q, q] tree tables copied into a static
-buffer; no [q, kv_len] mask is built. Every
-graph leaves its logits in one buffer all graphs share (replays are one at a
-time, and what a replay returns is copied out before the next), so the
-graphs cost no more logits memory than the largest of them.
+parts (splitspec/attention/cascade.py): the same kernel runs q rows per
+sequence over its committed slots, from a table of its own filled and copied
+before each replay (TablePrefix), and the tree's own K/V, dense, go through
+the [q, q] tree tables copied into a static buffer; no [q, kv_len] mask is
+built. Every graph leaves its logits in one buffer all graphs share (replays
+are one at a time, and what a replay returns is copied out before the next),
+so the graphs cost no more logits memory than the largest of them.
 """
 
 from __future__ import annotations
@@ -55,15 +54,17 @@ from splitspec.attention.base import (
     SplitAttention,
     SplitMetadata,
 )
-from splitspec.attention.cascade import FlashInferPrefix, TreeVerifyAttention, TreeVerifyMetadata
+from splitspec.attention.cascade import TreeVerifyAttention, TreeVerifyMetadata
 from splitspec.attention.decode_table import (
     DecodeTableAttention,
     DecodeTableMetadata,
+    TablePrefix,
     block_keys,
+    carve,
     fill_decode_table,
-    splits_for,
+    scratch_floats,
 )
-from splitspec.attention.flashinfer_backend import WORKSPACE_BYTES, AttentionShape, PagedLayout
+from splitspec.attention.flashinfer_backend import AttentionShape, PagedLayout
 from splitspec.attention.prompts import (
     PromptAttention,
     PromptMetadata,
@@ -105,8 +106,8 @@ class StepPlan(NamedTuple):
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    wrapper: Any                 # a verify graph's FlashInferPrefix, in CUDA-graph mode,
-                                 # planned before replay; None for decode and prompts alone
+    wrapper: TablePrefix | None  # a verify graph's prefix attention, planned before replay;
+                                 # None for decode and prompts alone
     inputs: torch.Tensor         # [5, W] int64 static inputs, the prompt rows then the step's:
                                  # ids, positions, write slots, each prompt row's first row
                                  # (prompt rows only), and the rows whose logits are taken
@@ -118,10 +119,10 @@ class _Graph:
     logits: torch.Tensor         # [P + b * q, V] static outputs, in the shared buffer (P:
                                  # MAX_PROMPT_LOGITS with prompts, else 0)
     aux: torch.Tensor | None     # [tokens + b * q, k * H]
-    context: AttentionContext | None = None  # what the graph's attention reads and writes
-    # outside the graph's pool (a decode graph's table and split scratch): kept alive as
-    # long as the graph, or the allocator hands that memory to other tensors while every
-    # replay still writes it
+    context: AttentionContext | None = None  # what the graph's attention reads outside the
+    # graph's pool (its table, a verify graph's TablePrefix): kept alive as long as the
+    # graph, or the allocator hands that memory to other tensors while every replay still
+    # reads it (the kernels' scratch is StepGraphs.scratch, held by the StepGraphs)
     table: torch.Tensor | None = None  # a decode graph's [b, 1 + P] int32 (decode_table.py)
     table_staged: torch.Tensor | None = None  # its pinned host twin
     table_staging: Any = None          # numpy view of the twin
@@ -137,12 +138,12 @@ class StepGraphs:
         self.model, self.cache, self.shape = model, cache, shape
         self.scratch_pages, self.max_kv_len = scratch_pages, max_kv_len
         self.device = device
-        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[GraphKey, _Graph] = {}
         self.buckets: tuple[int, ...] = ()
         self.prompt_buckets: tuple[int, ...] = ()
         self.logits_out: torch.Tensor | None = None  # the logits buffer every graph shares
+        self.scratch: torch.Tensor | None = None  # and their attention kernels' scratch
 
     def capture(self, buckets: tuple[int, ...], q_lens: tuple[int, ...],
                 variants: tuple[tuple[int, ...], ...], prompt_buckets: tuple[int, ...] = ()
@@ -162,6 +163,9 @@ class StepGraphs:
         started = time.perf_counter()
         self.logits_out = torch.empty(max(map(_logit_rows, keys)), self.model.config.vocab_size,
                                       dtype=torch.float32, device=self.device)
+        self.scratch = torch.empty(max((scratch_floats(self.shape, key.size, key.q_len,
+                                                       self.device) for key in keys if key.size),
+                                       default=0), dtype=torch.float32, device=self.device)
         for key in sorted(keys, key=lambda k: k.tokens + k.size * k.q_len, reverse=True):
             self.graphs[key] = self._capture(key)
         self.buckets, self.prompt_buckets = tuple(sorted(buckets)), tuple(sorted(prompt_buckets))
@@ -268,10 +272,10 @@ class StepGraphs:
         tree = torch.ones(q_len, q_len, dtype=torch.bool)
         return [SeqAttention(table, kv_len=q_len + 1, q_len=q_len, tree=tree)] * count
 
-    def _prefix(self, size: int, q_len: int) -> FlashInferPrefix:
+    def _prefix(self, size: int, q_len: int) -> TablePrefix:
         """A verify graph's prefix attention: size * q_len rows over at most max_kv_len slots."""
         pages_per_seq = -(-self.max_kv_len // self.shape.page_size)
-        return FlashInferPrefix(self.shape, self.workspace, size * q_len, pages_per_seq)
+        return TablePrefix(self.shape, self.device, size, q_len, pages_per_seq, self.scratch)
 
     def _capture(self, key: GraphKey) -> _Graph:
         size, q_len, capture, tokens = key
@@ -329,21 +333,16 @@ class StepGraphs:
     def _decode_table(self, padding: list[SeqAttention], slots: torch.Tensor
                       ) -> DecodeTableMetadata:
         """A decode graph's attention inputs, filled for its padding rows: its table (room
-        for max_kv_len slots a row), the kernel's split and its scratch."""
+        for max_kv_len slots a row), the kernel's split, its scratch (in the shared one)."""
         size, shape = len(padding), self.shape
         width = -(-self.max_kv_len // shape.page_size)
         table = np.zeros((size, 1 + width), dtype=np.int32)
         written = np.zeros(size, dtype=np.int64)
         fill_decode_table(padding, shape.page_size, table, written)
-        processors = torch.cuda.get_device_properties(self.device).multi_processor_count
-        splits = splits_for(size, shape.num_kv_heads, processors)
+        splits, part_out, part_lse, _ = carve(self.scratch, shape, size, 1)
         slots.copy_(torch.from_numpy(written))
-        return DecodeTableMetadata(
-            slots, torch.from_numpy(table).to(self.device), splits,
-            torch.empty(size, shape.num_heads, splits, shape.head_dim, dtype=torch.float32,
-                        device=self.device),
-            torch.empty(size, shape.num_heads, splits, dtype=torch.float32, device=self.device),
-            block_keys(size))
+        return DecodeTableMetadata(slots, torch.from_numpy(table).to(self.device), splits,
+                                   part_out, part_lse, block_keys(size))
 
     def _record(self, forward: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
         """Warm forward up on a side stream (lazy initialisation must not happen in capture),

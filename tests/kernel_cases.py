@@ -209,12 +209,18 @@ def run_prompts(device: str) -> None:
 
 
 def check_paged_decode(device: str, dtype: torch.dtype, lengths: list[int], page: int,
-                       heads: int, kv_heads: int, dim: int, splits: int, block_n: int = 32) -> None:
+                       heads: int, kv_heads: int, dim: int, splits: int, block_n: int = 32,
+                       rows: int = 1) -> None:
     """splitspec.kernels.paged_decode against its torch reference: sequences of these lengths
-    on shuffled pages of one layer's cache (each table padded to the longest)."""
-    from splitspec.kernels.paged_decode import paged_decode_attention, paged_decode_reference
+    on shuffled pages of one layer's cache (each table padded to the longest), ``rows`` query
+    rows each (more than 1: paged_prefix_attention, its log-sum-exp checked too)."""
+    from splitspec.kernels.paged_decode import (
+        paged_decode_attention,
+        paged_decode_reference,
+        paged_prefix_attention,
+    )
 
-    gen = torch.Generator().manual_seed(sum(lengths) * 7 + page + splits)
+    gen = torch.Generator().manual_seed(sum(lengths) * 7 + page + splits + rows)
     used = [-(-n // page) for n in lengths]
     pool = sum(used) + 2
     cache = torch.randn(pool, 2, page, kv_heads, dim, generator=gen).to(dtype).to(device)
@@ -226,11 +232,21 @@ def check_paged_decode(device: str, dtype: torch.dtype, lengths: list[int], page
         table[b, 1:1 + count] = torch.tensor(order[:count])
         order = order[count:]
     table = table.to(device)
-    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype).to(device)
-    got = paged_decode_attention(q, cache, table, splits, block_n=block_n)
-    want = paged_decode_reference(q, cache, table)
+    q = torch.randn(len(lengths) * rows, heads, dim, generator=gen).to(dtype).to(device)
+
+    def attend(q: torch.Tensor, table: torch.Tensor, splits: int) -> torch.Tensor:
+        if rows == 1:
+            return paged_decode_attention(q, cache, table, splits, block_n=block_n)
+        out, lse = paged_prefix_attention(q, cache, table, rows, splits, block_n=block_n)
+        tol = 1e-5 if dtype == torch.float32 else 1e-4  # 16-bit q.k summed in another order
+        torch.testing.assert_close(lse, want_lse[:lse.shape[0]], rtol=tol, atol=tol,
+                                   msg=f"{what}: log-sum-exp, {splits} splits")
+        return out
+
+    want, want_lse = paged_decode_reference(q, cache, table, rows)
+    what = f"paged_decode {dtype} lengths {lengths} page {page} splits {splits} rows {rows}"
+    got = attend(q, table, splits)
     assert got.shape == q.shape and got.dtype == q.dtype
-    what = f"paged_decode {dtype} lengths {lengths} page {page} splits {splits}"
     if dtype == torch.float32:
         close(got, want, what)
     else:  # the kernel rounds the softmax weights to the values' dtype for the dot
@@ -241,10 +257,9 @@ def check_paged_decode(device: str, dtype: torch.dtype, lengths: list[int], page
     # A sequence's output depends on its own keys alone: the first by itself agrees, with
     # one split or many.
     for count in (1, splits + 3):
-        alone = paged_decode_attention(q[:1].contiguous(), cache, table[:1].contiguous(), count,
-                                       block_n=block_n)
-        close(alone, got[:1], f"{what}: the first sequence alone, {count} splits",
-              scale=want[:1])
+        alone = attend(q[:rows].contiguous(), table[:1].contiguous(), count)
+        close(alone, got[:rows], f"{what}: the first sequence alone, {count} splits",
+              scale=want[:rows])
 
 
 def run_paged_decode(device: str) -> None:
@@ -256,3 +271,42 @@ def run_paged_decode(device: str) -> None:
     check_paged_decode(device, torch.float16, [33, 64], 4, 4, 4, 64, splits=1, block_n=16)
     # a group of 8 (BLOCK_G 16 rows, half padding), 64-key blocks, odd splits
     check_paged_decode(device, torch.float32, [200, 3], 16, 16, 2, 64, splits=5, block_n=64)
+    # a verify step's prefix: 9 rows a sequence over its keys (GQA group 4: 36 of 64 rows)
+    check_paged_decode(device, torch.bfloat16, [300, 17], 16, 32, 8, 128, splits=8, rows=9)
+    # rows without GQA, a one-key sequence, empty splits
+    check_paged_decode(device, torch.float32, [1, 45], 16, 2, 2, 32, splits=6, rows=4)
+    run_table_prefix(device)
+
+
+def run_table_prefix(device: str) -> None:
+    """TablePrefix (the verify and drafting prefix attention on CUDA), as a graph holds it and
+    as eager drafting does, against TorchPrefix: sequences of different lengths on shuffled
+    pages, several rows each, planned twice (the second plan must replace the first's
+    lengths and pages)."""
+    from splitspec.attention.cascade import TorchPrefix
+    from splitspec.attention.decode_table import TablePrefix, scratch_floats
+    from splitspec.attention.flashinfer_backend import AttentionShape
+    from splitspec.kv_cache import PageTable
+
+    heads, kv_heads, dim, page, rows = 8, 2, 32, 4, 3
+    gen = torch.Generator().manual_seed(11)
+    cache = KVCache(2, 40, page, kv_heads, dim, torch.float32, device)
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    order = torch.randperm(40, generator=gen).tolist()
+    shape = AttentionShape(heads, kv_heads, dim, page, torch.float32)
+    need = scratch_floats(shape, 3, rows, device)  # as a graph holds it, in a shared scratch
+    table = TablePrefix(shape, device, 3, rows, 12, torch.full((need + 5,), 7.0, device=device))
+    eager = TablePrefix(shape, device)  # sized by each plan
+    for lengths in ([5, 40, 17], [1, 9, 33]):
+        tables = [PageTable(page, order[12 * b:12 * b + -(-n // page)], n)
+                  for b, n in enumerate(lengths)]
+        q = torch.randn(len(lengths) * rows, heads, dim, generator=gen).to(device)
+        results = []
+        for prefix in (TorchPrefix(), table, eager):
+            prefix.plan(tables, lengths, rows, torch.device(device))
+            out, lse = prefix.attend(1, q, cache)
+            results.append((out, lse * prefix.lse_scale))  # natural log for all
+        (out_ref, lse_ref), *tried = results
+        for (out, lse), what in zip(tried, ("a graph's", "eager"), strict=True):
+            close(out, out_ref, f"TablePrefix ({what}) lengths {lengths}")
+            close(lse, lse_ref, f"TablePrefix ({what}) lengths {lengths}: log-sum-exp")

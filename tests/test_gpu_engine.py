@@ -43,7 +43,8 @@ from splitspec.attention import (
     SeqAttention,
     TorchAttentionBackend,
 )
-from splitspec.attention.cascade import TorchPrefix, prefix_attention_for
+from splitspec.attention.cascade import TorchPrefix
+from splitspec.attention.decode_table import prefix_attention_for
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
 from splitspec.cuda_graphs import StepGraphs
 from splitspec.kv_cache import KVCache, PagePool, PageTable
@@ -435,10 +436,10 @@ def test_fused_kernels_match_the_torch_layers(dtype):
     assert agree >= (1.0 if dtype == torch.float32 else 0.9), agree
 
 
-def test_flashinfer_prefix_matches_torch_prefix():
-    """The drafting levels' attention over the committed entries: flashinfer's paged decode
-    (base-2 log-sum-exp, converted) against the padded torch reference, sequences of
-    different lengths, several rows per sequence."""
+def test_table_prefix_matches_torch_prefix():
+    """The drafting levels' and verify's attention over the committed entries on a flashinfer
+    backend's device (TablePrefix: base-2 log-sum-exp, converted) against the padded torch
+    reference, sequences of different lengths, several rows per sequence."""
     cache, pool = paged_cache()
     lengths, rows = [5, 40, 17], 4
     tables = [seq(pool, n, 1).table for n in lengths]

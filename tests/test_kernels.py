@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parent.parent
 def test_kernels_match_torch_in_the_interpreter(cases):
     """run: KV compaction; run_fused: norms, rotary, SiLU-and-multiply, the KV store;
     run_tree: the draft's tree-node attention and merge; run_prompts: packed prompts' causal
-    attention; run_paged_decode: decode attention over the paged cache, split and merged."""
+    attention; run_paged_decode: decode attention over the paged cache, split and merged, one
+    row or several a sequence (the verify and drafting prefix, TablePrefix)."""
     code = f"from tests.kernel_cases import {cases}; {cases}('cpu'); print('ok')"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})

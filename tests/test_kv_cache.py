@@ -48,16 +48,23 @@ def test_write_then_copy_slots_moves_every_layer():
         assert torch.equal(k_got[0], k[layer, 0])
 
 
-def test_repeated_rows_list_each_sequences_pages_once_per_row():
-    from splitspec.attention.cascade import repeated_rows
+def test_a_table_row_holds_a_sequences_length_and_its_pages_up_to_it():
+    """The tables the paged-attention kernel reads (splitspec/attention/decode_table.py)."""
+    import numpy as np
+
+    from splitspec.attention.decode_table import fill_table
 
     tables = [PageTable(4, [7, 2, 9], 10), PageTable(4, [5], 3)]
-    indptr, indices, last = repeated_rows(tables, [9, 3], 2, 4)
-    assert indptr.tolist() == [0, 3, 6, 7, 8]
-    assert indices.tolist() == [7, 2, 9, 7, 2, 9, 5, 5]
-    assert last.tolist() == [1, 1, 3, 3]
-    with pytest.raises(ValueError, match="prefix of 0 slots"):
-        repeated_rows(tables, [9, 0], 1, 4)
+    table = np.full((2, 4), -1, dtype=np.int32)
+    fill_table(tables, [9, 3], 4, table)
+    assert table.tolist() == [[9, 7, 2, 9], [3, 5, -1, -1]]  # past a row's pages: untouched
+    fill_table(tables, [5, 1], 4, table)
+    assert table[:, :3].tolist() == [[5, 7, 2], [1, 5, -1]]
+    for lengths in ([9, 0], [13, 1], [9, 5]):  # empty; more than the pages reserved (twice)
+        with pytest.raises(ValueError, match="0 < length"):
+            fill_table(tables, lengths, 4, table)
+    with pytest.raises(ValueError, match="0 < length"):  # more than the table's width holds
+        fill_table(tables[:1], [9], 4, np.zeros((1, 2), dtype=np.int32))
 
 
 def test_torch_prefix_attends_prefix_and_dense_keys_in_one_softmax_and_rereads_on_plan():
@@ -88,3 +95,19 @@ def test_torch_prefix_attends_prefix_and_dense_keys_in_one_softmax_and_rereads_o
     cache.data[1].add_(1.0)  # new K/V for the same slots, then a new plan
     prefix.plan(tables, [9, 3], 4, "cpu")
     assert not torch.allclose(prefix.attend(1, q, cache)[0], before)
+
+
+def test_shared_scratch_is_carved_per_shape_and_refused_when_too_small():
+    from splitspec.attention.decode_table import carve, scratch_floats
+    from splitspec.attention.flashinfer_backend import AttentionShape
+
+    shape = AttentionShape(8, 2, 32, 16, torch.float32)
+    need = scratch_floats(shape, 3, 4, "cpu")
+    splits, out, lse, merged = carve(torch.zeros(need + 3), shape, 3, 4)
+    assert splits == 1  # one "processor" off CUDA
+    assert out.shape == (12, 8, 1, 32) and lse.shape == (12, 8, 1) and merged.shape == (12, 8)
+    assert out.data_ptr() < lse.data_ptr() < merged.data_ptr()  # disjoint views, in order
+    with pytest.raises(ValueError, match="scratch of"):
+        carve(torch.zeros(need - 1), shape, 3, 4)
+    with pytest.raises(ValueError, match="scratch of"):
+        carve(torch.zeros(need, dtype=torch.float64), shape, 3, 4)

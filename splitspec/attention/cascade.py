@@ -3,9 +3,9 @@
 Both the target's tree verification and the draft's tree search have the
 same structure: every new row sees ALL of its sequence's committed slots, and
 among the few new keys (a tree's nodes) only those a small boolean table
-allows. The committed part needs no mask at all, so it runs through
-flashinfer's paged decode kernel with each sequence's rows as separate
-requests over the same pages (:class:`FlashInferPrefix`; :class:`TorchPrefix`
+allows. The committed part needs no mask at all, so it runs through a
+paged kernel that loads each sequence's keys once for all its rows
+(splitspec/attention/decode_table.py's ``TablePrefix``; :class:`TorchPrefix`
 is its reference); the new part is a dense [rows, keys] problem of a few dozen
 keys (:func:`masked_attention`, one Triton kernel on CUDA); the two are merged
 by their log-sum-exp (:func:`merge_attention`), which is exactly the softmax
@@ -20,7 +20,6 @@ graphs, splitspec/cuda_graphs.py); draft_service/tree_search.py's
 
 from __future__ import annotations
 
-import itertools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -28,11 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAttention
-from splitspec.attention.flashinfer_backend import (
-    AttentionShape,
-    FlashInferBackend,
-    import_flashinfer,
-)
 from splitspec.kernels import HAS_TRITON
 from splitspec.kv_cache import KVCache, PageTable
 
@@ -134,68 +128,6 @@ class TorchPrefix(PrefixAttention):
         out, _ = masked_attention(self._split(q, k.shape[2]), torch.cat((k, keys.float()), 1),
                                   torch.cat((v, values.float()), 1), mask)
         return out.reshape(q.shape).to(q.dtype)
-
-
-def repeated_rows(tables: list[PageTable], lengths: list[int], rows_per_seq: int,
-                  page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """flashinfer's paged layout (kv_indptr, kv_indices, last_page_len; host int32) of
-    ``rows_per_seq`` requests per sequence, each over the sequence's first ``lengths[b]``
-    slots: each sequence's pages are listed once per row."""
-    indices: list[int] = []
-    used, last = [], []
-    for table, n in zip(tables, lengths, strict=True):
-        if not 0 < n <= table.capacity:
-            raise ValueError(f"a prefix of {n} slots: need 0 < n <= {table.capacity} reserved")
-        pages = -(-n // page_size)
-        indices += table.pages[:pages] * rows_per_seq
-        used.append(pages)
-        last.append(n - (pages - 1) * page_size)
-    per_row = [count for count in used for _ in range(rows_per_seq)]
-    as_int32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
-    return (as_int32([0, *itertools.accumulate(per_row)]), as_int32(indices),
-            as_int32([n for n in last for _ in range(rows_per_seq)]))
-
-
-class FlashInferPrefix(PrefixAttention):
-    """flashinfer's paged decode, one request per row over its sequence's pages.
-
-    With ``graph_rows`` the wrapper is built for CUDA graphs: exactly that many rows, each
-    over at most ``max_pages`` pages, planned (outside the graph) before each replay."""
-
-    lse_scale = LN2  # flashinfer's log-sum-exp is base 2
-
-    def __init__(self, shape: AttentionShape, workspace: torch.Tensor, graph_rows: int = 0,
-                 max_pages: int = 0) -> None:
-        flashinfer = import_flashinfer()
-        self.shape = shape
-        buffers = {}
-        if graph_rows:
-            def int32(n: int) -> torch.Tensor:
-                return torch.zeros(n, dtype=torch.int32, device=workspace.device)
-
-            buffers = {"use_cuda_graph": True, "paged_kv_indptr_buffer": int32(graph_rows + 1),
-                       "paged_kv_indices_buffer": int32(graph_rows * max_pages),
-                       "paged_kv_last_page_len_buffer": int32(graph_rows)}
-        self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, "NHD", use_tensor_cores=shape.use_tensor_cores, **buffers)
-
-    def plan(self, tables: list[PageTable], lengths: list[int], rows_per_seq: int,
-             device: torch.device) -> None:
-        shape = self.shape
-        indptr, indices, last = repeated_rows(tables, lengths, rows_per_seq, shape.page_size)
-        self._wrapper.plan(indptr, indices, last, shape.num_heads, shape.num_kv_heads,
-                           shape.head_dim, shape.page_size, pos_encoding_mode="NONE",
-                           q_data_type=shape.dtype, kv_data_type=shape.dtype)
-
-    def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._wrapper.run(q.contiguous(), cache.data[layer], return_lse=True)
-
-
-def prefix_attention_for(backend: AttentionBackend) -> PrefixAttention:
-    """flashinfer's prefix over a flashinfer backend's workspace, else the torch reference."""
-    if isinstance(backend, FlashInferBackend):
-        return FlashInferPrefix(backend.shape, backend.workspace)
-    return TorchPrefix()
 
 
 def cascade_attention(layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -10,11 +10,14 @@ lengths. Here the split is fixed in the launch (``splits`` blocks per sequence a
 head) and each block works out its share of the sequence's keys from the length in
 ``table``: the graph is the same for any length, so the step's inputs are one copy.
 
-Two kernels. The first: program (sequence, KV head, split) runs the group's query heads
-over its share of the keys in blocks of ``BLOCK_N`` (online softmax, base 2), writing its
-partial output and log-sum-exp (an empty share writes -inf). The second: program
-(sequence, head) merges the splits by their log-sum-exp. Reference:
-:func:`paged_decode_reference` (tests/kernel_cases.py compares them).
+Two kernels. The first: program (sequence, KV head, split) runs the query heads of the
+group, of each of the sequence's ``rows`` query rows, over its share of the keys in blocks
+of ``BLOCK_N`` (online softmax, base 2), writing its partial output and log-sum-exp (an
+empty share writes -inf). The second: program (row, head) merges the splits by their
+log-sum-exp, and can write the merged log-sum-exp too. Rows > 1 is the committed prefix
+of a verify step or a drafting level (:func:`paged_prefix_attention`): each sequence's rows
+share its keys, loaded once for all of them. Reference: :func:`paged_decode_reference`
+(tests/kernel_cases.py compares them).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def _key_block(query, cache, table, first, end, b, kv_head, top, total, acc, c_p
 @triton.jit
 def _split_kernel(q, cache, table, part_out, part_lse,
                   q_seq, q_head, c_page, c_kv, c_slot, c_head, t_seq, p_seq, p_head, p_split,
-                  l_seq, l_head, splits, group, sm_scale_log2,
+                  l_seq, l_head, splits, group, rows, sm_scale_log2,
                   PAGE: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                   BLOCK_N: tl.constexpr, MAX_BLOCKS: tl.constexpr, IEEE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
@@ -77,12 +80,13 @@ def _split_kernel(q, cache, table, part_out, part_lse,
     share = tl.cdiv(tl.cdiv(kv_len, splits), PAGE) * PAGE
     start = s * share
     end = tl.minimum(start + share, kv_len)
-    g = tl.arange(0, BLOCK_G)
+    m = tl.arange(0, BLOCK_G)  # query row r's head kv_head * group + g at m = r * group + g
     d = tl.arange(0, D)
-    heads = kv_head * group + g
-    has_g = g < group
-    query = tl.load(q + b * q_seq + heads[:, None] * q_head + d[None, :], mask=has_g[:, None],
-                    other=0.0)
+    heads = kv_head * group + m % group
+    row = b * rows + m // group
+    has_g = m < rows * group
+    query = tl.load(q + row[:, None] * q_seq + heads[:, None] * q_head + d[None, :],
+                    mask=has_g[:, None], other=0.0)
     if IEEE:
         query = query.to(tl.float32)
     top = tl.full([BLOCK_G], float("-inf"), tl.float32)
@@ -101,25 +105,30 @@ def _split_kernel(q, cache, table, part_out, part_lse,
     seen = total > 0
     out = tl.where(seen[:, None], acc / tl.where(seen, total, 1.0)[:, None], 0.0)
     lse = tl.where(seen, top + tl.log2(tl.where(seen, total, 1.0)), float("-inf"))
-    tl.store(part_out + b * p_seq + heads[:, None] * p_head + s * p_split + d[None, :], out,
-             mask=has_g[:, None])
-    tl.store(part_lse + b * l_seq + heads * l_head + s, lse, mask=has_g)
+    tl.store(part_out + row[:, None] * p_seq + heads[:, None] * p_head + s * p_split
+             + d[None, :], out, mask=has_g[:, None])
+    tl.store(part_lse + row * l_seq + heads * l_head + s, lse, mask=has_g)
 
 
 @triton.jit
-def _merge_kernel(part_out, part_lse, out, p_seq, p_head, p_split, l_seq, l_head, o_seq,
-                  o_head, splits, D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_kernel(part_out, part_lse, out, lse_out, p_seq, p_head, p_split, l_seq, l_head,
+                  o_seq, o_head, s_row, s_head, splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
+                  WITH_LSE: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, D)
     has_s = s < splits
     lse = tl.load(part_lse + b * l_seq + h * l_head + s, mask=has_s, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, axis=0))  # the first split is never empty
+    top = tl.max(lse, axis=0)
+    weights = tl.exp2(lse - top)  # the first split is never empty
     parts = tl.load(part_out + b * p_seq + h * p_head + s[:, None] * p_split + d[None, :],
                     mask=has_s[:, None], other=0.0)
-    merged = tl.sum(weights[:, None] * parts, axis=0) / tl.sum(weights, axis=0)
+    total = tl.sum(weights, axis=0)
+    merged = tl.sum(weights[:, None] * parts, axis=0) / total
     tl.store(out + b * o_seq + h * o_head + d, merged.to(out.dtype.element_ty))
+    if WITH_LSE:
+        tl.store(lse_out + b * s_row + h * s_head, top + tl.log2(total))
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
@@ -132,60 +141,89 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, table: torch.Te
     ``part_lse`` [B, H, splits] float32 are scratch (allocated when None; a CUDA graph
     passes its own); ``block_n`` keys are loaded at a time (a power of 2, at least 16).
     Returns [B, H, D] in q's dtype."""
-    batch, heads, dim = q.shape
+    return _attend(q, cache, table, 1, splits, part_out, part_lse, block_n, None)
+
+
+def paged_prefix_attention(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, rows: int,
+                           splits: int, part_out: torch.Tensor | None = None,
+                           part_lse: torch.Tensor | None = None, block_n: int = 32,
+                           lse: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`paged_decode_attention` for ``rows`` query rows per sequence, all over its
+    keys: q [B * rows, H, D], sequence b's rows at b * rows ...; the scratch [B * rows, H,
+    splits, D] and [B * rows, H, splits]. Returns the output [B * rows, H, D] and the
+    log-sum-exp [B * rows, H] float32, in base 2 (written into ``lse`` when given)."""
+    if lse is None:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if tuple(lse.shape) != tuple(q.shape[:2]) or lse.dtype != torch.float32:
+        raise ValueError(f"paged_prefix_attention: lse {tuple(lse.shape)} {lse.dtype}, need "
+                         f"float32 {tuple(q.shape[:2])}")
+    return _attend(q, cache, table, rows, splits, part_out, part_lse, block_n, lse), lse
+
+
+def _attend(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, rows: int, splits: int,
+            part_out: torch.Tensor | None, part_lse: torch.Tensor | None, block_n: int,
+            lse: torch.Tensor | None) -> torch.Tensor:
+    total_rows, heads, dim = q.shape
     _, two, page, kv_heads, cache_dim = cache.shape
-    if (two != 2 or cache_dim != dim or heads % kv_heads or table.dim() != 2
-            or table.shape[0] != batch or table.dtype != torch.int32 or splits < 1
+    if (two != 2 or cache_dim != dim or heads % kv_heads or table.dim() != 2 or rows < 1
+            or table.shape[0] * rows != total_rows or table.dtype != torch.int32 or splits < 1
             or q.stride(2) != 1 or cache.stride(4) != 1 or dim & (dim - 1)
             or block_n < 16 or block_n & (block_n - 1)):
-        raise ValueError(f"paged_decode_attention: inconsistent inputs: q {tuple(q.shape)}, "
+        raise ValueError(f"paged attention: inconsistent inputs: q {tuple(q.shape)}, "
                          f"cache {tuple(cache.shape)}, table {tuple(table.shape)} "
-                         f"{table.dtype}, splits {splits}, block_n {block_n} (head dim and "
-                         "block_n powers of 2)")
+                         f"{table.dtype}, {rows} rows a sequence, splits {splits}, block_n "
+                         f"{block_n} (a table row per sequence; head dim and block_n powers "
+                         "of 2)")
     if part_out is None:
-        part_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+        part_out = torch.empty(total_rows, heads, splits, dim, dtype=torch.float32,
+                               device=q.device)
     if part_lse is None:
-        part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-    if (tuple(part_out.shape) != (batch, heads, splits, dim) or part_out.stride(3) != 1
-            or tuple(part_lse.shape) != (batch, heads, splits)
+        part_lse = torch.empty(total_rows, heads, splits, dtype=torch.float32, device=q.device)
+    if (tuple(part_out.shape) != (total_rows, heads, splits, dim) or part_out.stride(3) != 1
+            or tuple(part_lse.shape) != (total_rows, heads, splits)
             or {part_out.dtype, part_lse.dtype} != {torch.float32}):
-        raise ValueError(f"paged_decode_attention: scratch {tuple(part_out.shape)} "
+        raise ValueError(f"paged attention: scratch {tuple(part_out.shape)} "
                          f"{part_out.dtype} and {tuple(part_lse.shape)} {part_lse.dtype}, "
-                         f"need float32 [{batch}, {heads}, {splits}, {dim}] and "
-                         f"[{batch}, {heads}, {splits}]")
+                         f"need float32 [{total_rows}, {heads}, {splits}, {dim}] and "
+                         f"[{total_rows}, {heads}, {splits}]")
     group = heads // kv_heads
     table = table.contiguous()
     most_keys = page * (table.shape[1] - 1)  # the interpreter's fixed count covers a full table
     share = -(-most_keys // splits)
-    _split_kernel[(batch, kv_heads, splits)](
+    _split_kernel[(table.shape[0], kv_heads, splits)](
         q, cache, table, part_out, part_lse,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
         cache.stride(3), table.stride(0), part_out.stride(0), part_out.stride(1),
-        part_out.stride(2), part_lse.stride(0), part_lse.stride(1), splits, group,
+        part_out.stride(2), part_lse.stride(0), part_lse.stride(1), splits, group, rows,
         dim ** -0.5 * LOG2E, PAGE=page, D=dim,
-        BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(group)), BLOCK_N=block_n,
+        BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(rows * group)), BLOCK_N=block_n,
         MAX_BLOCKS=-(-(-(-share // page) * page) // block_n) if INTERPRETED else 0,
         IEEE=INTERPRETED or q.dtype == torch.float32)
     out = torch.empty_like(q)
-    _merge_kernel[(batch, heads)](
-        part_out, part_lse, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), splits,
-        D=dim, BLOCK_S=triton.next_power_of_2(splits))
+    _merge_kernel[(total_rows, heads)](
+        part_out, part_lse, out, part_lse if lse is None else lse, part_out.stride(0),
+        part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), 0 if lse is None else lse.stride(0),
+        0 if lse is None else lse.stride(1), splits, D=dim,
+        BLOCK_S=triton.next_power_of_2(splits), WITH_LSE=lse is not None)
     return out
 
 
-def paged_decode_reference(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor
-                           ) -> torch.Tensor:
-    """The same attention in torch, float32, one sequence at a time."""
+def paged_decode_reference(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
+                           rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same attention in torch, float32, one query row at a time: the output in q's dtype
+    and the log-sum-exp in base 2 (float32)."""
     page, kv_heads = cache.shape[2], cache.shape[3]
     heads, dim = q.shape[1], q.shape[2]
-    outs = []
-    for b in range(q.shape[0]):
-        n = int(table[b, 0])
-        pages = table[b, 1:1 + -(-n // page)].long()
+    outs, lses = [], []
+    for i in range(q.shape[0]):
+        n = int(table[i // rows, 0])
+        pages = table[i // rows, 1:1 + -(-n // page)].long()
         keys = cache[pages, 0].reshape(-1, kv_heads, dim)[:n].float()    # [n, H_kv, D]
         values = cache[pages, 1].reshape(-1, kv_heads, dim)[:n].float()
-        query = q[b].float().view(kv_heads, heads // kv_heads, dim)
+        query = q[i].float().view(kv_heads, heads // kv_heads, dim)
         scores = torch.einsum("hgd,nhd->hgn", query, keys) / math.sqrt(dim)
         outs.append(torch.einsum("hgn,nhd->hgd", scores.softmax(-1), values).reshape(heads, dim))
-    return torch.stack(outs).to(q.dtype)
+        lses.append(torch.logsumexp(scores, -1).reshape(heads) * LOG2E)
+    return torch.stack(outs).to(q.dtype), torch.stack(lses)
