@@ -9,6 +9,8 @@ tests in tests/test_gpu_engine.py."""
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -61,13 +63,19 @@ def emulate_graphs() -> None:
     tree_search._capture = capture
 
 
-def target_steps(steps: int, tree: list[int] | None) -> None:
-    """Three sequences (bucket 4: a padding row) decode or verify ``tree`` for ``steps`` steps
-    through the built-in target's graphs and eagerly on the torch backend (float32), with
-    features captured: logits and features agree to float rounding."""
+def step_runs(steps: int, tree: list[int] | None, device: str, dtype: torch.dtype,
+              backend_for: Callable[[Any], Any]
+              ) -> dict[bool, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Three sequences (bucket 4: one padding row) decode ``steps`` steps with the built-in
+    target, crossing pages, once eagerly on ``backend_for(shape)`` and once through the step graphs
+    (features (2, 3) captured); each step either plain (tree None) or verifying a fixed tree
+    of draft tokens below the last token (committing only the root, so the sequences
+    advance one token a step). The roots are fixed tokens, not the runs' own choices, so
+    both runs see the same inputs at every step. Returns per run (graphed or not) each
+    step's logits and features. Shared by tests/test_gpu_engine.py (CUDA) and
+    :func:`target_steps` (emulated on CPU)."""
     from splitspec.attention.base import SeqAttention
     from splitspec.attention.flashinfer_backend import AttentionShape
-    from splitspec.attention.torch_backend import TorchAttentionBackend
     from splitspec.builtin import BUILTIN_TARGET
     from splitspec.kv_cache import KVCache, PagePool, PageTable
     from splitspec.model.layers import AttentionContext
@@ -75,52 +83,62 @@ def target_steps(steps: int, tree: list[int] | None) -> None:
     from splitspec.tree import ancestor_mask, positions
 
     page = 16
-    model = load_llama(BUILTIN_TARGET, torch.float32, "cpu")
+    model = load_llama(BUILTIN_TARGET, dtype, device)
     cfg = model.config
-    shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page, torch.float32)
-    backend = TorchAttentionBackend()
+    shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page, dtype)
+    backend = backend_for(shape)
     nodes = len(tree or [])
     q = nodes + 1
     runs = {}
     for graphed in (False, True):
-        cache = KVCache(cfg.num_layers, 64, page, cfg.num_kv_heads, cfg.head_dim, torch.float32,
-                        "cpu")
+        cache = KVCache(cfg.num_layers, 64, page, cfg.num_kv_heads, cfg.head_dim, dtype, device)
         pool = PagePool(64)
         graphs = None
         if graphed:
-            graphs = cuda_graphs.StepGraphs(model, cache, shape, pool.allocate(1), 128, "cpu")
-            graphs.capture((1, 4), (q,), ((2, 3),))
-        prompts = [[5, 6, 7], [9] * 12, list(range(20, 45))]  # the last crosses a page
+            graphs = cuda_graphs.StepGraphs(model, cache, shape, pool.allocate(1), 128, device)
+            graphs.capture((1, 2, 4), (1, q) if nodes else (1,), ((), (2, 3)))
+        prompts = [[5, 6, 7], [9] * 12, list(range(20, 45))]
         tables = [PageTable(page) for _ in prompts]
         last, seen = [], []
         with torch.inference_mode():
             for table, prompt in zip(tables, prompts, strict=True):
                 table.reserve(pool, len(prompt) + steps + q)
                 attn = [SeqAttention(table, len(prompt), len(prompt))]
-                ctx = AttentionContext(backend, backend.plan(attn, "cpu"), cache)
-                out = model(torch.tensor(prompt), torch.arange(len(prompt)), ctx)
+                ctx = AttentionContext(backend, backend.plan(attn, device), cache)
+                out = model(torch.tensor(prompt, device=device),
+                            torch.arange(len(prompt), device=device), ctx)
                 last.append(int(model.compute_logits(out.hidden[-1:]).argmax()))
             lengths = [len(p) for p in prompts]
             for _ in range(steps):
                 attn = [SeqAttention(t, n + q, q, tree=ancestor_mask(tree) if tree else None)
                         for t, n in zip(tables, lengths, strict=True)]
                 ids = torch.tensor([[tok, *[(tok + 1 + i) % cfg.vocab_size for i in range(nodes)]]
-                                    for tok in last]).reshape(-1)
+                                    for tok in last], device=device).reshape(-1)
                 pos = torch.cat([positions(tree, n) if tree else torch.tensor([n])
-                                 for n in lengths])
+                                 for n in lengths]).to(device)
                 rows = list(range(q * len(attn)))
                 if graphs is not None:
                     plan = graphs.plan(attn, rows, (2, 3))
                     assert plan == ((4, q, (2, 3), 0), 0, 0), plan
                     logits, aux = graphs.run_plan(plan, ids, pos, attn, rows)
                 else:
-                    ctx = AttentionContext(backend, backend.plan(attn, "cpu"), cache)
+                    ctx = AttentionContext(backend, backend.plan(attn, device), cache)
                     out = model(ids, pos, ctx, (2, 3))
                     logits, aux = model.compute_logits(out.hidden), out.aux
+                assert aux is not None and aux.shape == (3 * q, 2 * cfg.hidden_size)
                 seen.append((logits.clone(), aux.clone()))
                 last = [(7 * n + 3 * i) % cfg.vocab_size for i, n in enumerate(lengths)]
                 lengths = [n + 1 for n in lengths]  # keep the root; the tree is overwritten
         runs[graphed] = seen
+    return runs
+
+
+def target_steps(steps: int, tree: list[int] | None) -> None:
+    """:func:`step_runs` on CPU in float32, eager on the torch backend: the graphs' logits
+    and features agree with eager ones to float rounding."""
+    from splitspec.attention.torch_backend import TorchAttentionBackend
+
+    runs = step_runs(steps, tree, "cpu", torch.float32, lambda shape: TorchAttentionBackend())
     for step, ((logits_e, aux_e), (logits_g, aux_g)) in enumerate(
             zip(runs[False], runs[True], strict=True)):
         what = f"{'verify' if tree else 'decode'} step {step}"

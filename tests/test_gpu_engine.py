@@ -149,65 +149,6 @@ def test_flashinfer_refuses_float32_and_cpu():
         FlashInferBackend(AttentionShape(HEADS, KV_HEADS, DIM, PAGE, torch.bfloat16), "cpu")
 
 
-def graphed_and_eager_runs(steps: int, tree: list[int] | None) -> dict:
-    """Three sequences (bucket 4: one padding row) decode ``steps`` steps with the built-in
-    target, crossing pages, once eagerly and once through the graphs; each step either
-    plain (tree None) or verifying a fixed tree of draft tokens below the last token
-    (committing only the root, so the sequences advance one token a step). The roots are
-    fixed tokens, not the runs' own choices, so both runs see the same inputs at every
-    step. Returns per run the tokens chosen and the logits."""
-    model = load_llama(BUILTIN_TARGET, torch.bfloat16, "cuda")
-    cfg = model.config
-    shape = AttentionShape(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, PAGE, torch.bfloat16)
-    backend = FlashInferBackend(shape, "cuda")
-    nodes = len(tree or [])
-    runs = {}
-    for graphed in (False, True):
-        cache = KVCache(cfg.num_layers, 64, PAGE, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16,
-                        "cuda")
-        pool = PagePool(64)
-        graphs = None
-        if graphed:
-            graphs = StepGraphs(model, cache, shape, pool.allocate(1), 128, "cuda")
-            graphs.capture((1, 2, 4), (1, nodes + 1) if nodes else (1,), ((), (2, 3)))
-        prompts = [[5, 6, 7], [9] * 12, list(range(20, 45))]
-        tables = [PageTable(PAGE) for _ in prompts]
-        last, logits_seen, chosen = [], [], []
-        with torch.inference_mode():
-            for table, prompt in zip(tables, prompts, strict=True):
-                table.reserve(pool, len(prompt) + steps + nodes + 1)
-                attn = [SeqAttention(table, len(prompt), len(prompt))]
-                ctx = AttentionContext(backend, backend.plan(attn, "cuda"), cache)
-                out = model(torch.tensor(prompt, device="cuda"),
-                            torch.arange(len(prompt), device="cuda"), ctx)
-                last.append(int(model.compute_logits(out.hidden[-1:]).argmax()))
-            lengths = [len(p) for p in prompts]
-            for _ in range(steps):
-                q = nodes + 1
-                attn = [SeqAttention(t, n + q, q, tree=ancestor_mask(tree) if tree else None)
-                        for t, n in zip(tables, lengths, strict=True)]
-                ids = torch.tensor([[tok, *[(tok + 1 + i) % cfg.vocab_size for i in range(nodes)]]
-                                    for tok in last], device="cuda").reshape(-1)
-                pos = torch.cat([positions(tree, n) if tree else torch.tensor([n])
-                                 for n in lengths]).to("cuda")
-                rows = list(range(q * len(attn)))
-                if graphs is not None:
-                    plan = graphs.plan(attn, rows, (2, 3))
-                    assert plan == ((4, q, (2, 3), 0), 0, 0)
-                    logits, aux = graphs.run_plan(plan, ids, pos, attn, rows)
-                else:
-                    ctx = AttentionContext(backend, backend.plan(attn, "cuda"), cache)
-                    out = model(ids, pos, ctx, (2, 3))
-                    logits, aux = model.compute_logits(out.hidden), out.aux
-                assert aux is not None and aux.shape == (3 * q, 2 * cfg.hidden_size)
-                logits_seen.append(logits)
-                last = [(7 * n + 3 * i) % cfg.vocab_size for i, n in enumerate(lengths)]
-                chosen.append(logits.argmax(dim=-1).tolist())
-                lengths = [n + 1 for n in lengths]  # keep the root; the tree is overwritten
-        runs[graphed] = (chosen, torch.stack(logits_seen))
-    return runs
-
-
 @pytest.mark.parametrize("tree", [None, TREE], ids=["decode", "verify"])
 def test_step_graphs_match_eager_steps(tree):
     """Graphs (decode, and verify of an 8-node tree) against eager steps of the same backend.
@@ -216,11 +157,14 @@ def test_step_graphs_match_eager_steps(tree):
     verify graph in two parts merged (cascade.py) where the eager step runs FA2 with the
     spelled-out mask. So: logits within bf16 rounding of attention (relative to the
     largest logit), argmax the same but for near-ties."""
-    runs = graphed_and_eager_runs(40 if tree is None else 20, tree)
-    graphed, eager = runs[True][1].float(), runs[False][1].float()
+    from tests.graph_emulation import step_runs
+
+    runs = step_runs(40 if tree is None else 20, tree, "cuda", torch.bfloat16,
+                     lambda shape: FlashInferBackend(shape, "cuda"))
+    graphed, eager = (torch.stack([logits for logits, _ in runs[g]]).float()
+                      for g in (True, False))
     error = ((graphed - eager).abs().max() / eager.abs().max()).item()
-    same = [a == b for rows_g, rows_e in zip(runs[True][0], runs[False][0], strict=True)
-            for a, b in zip(rows_g, rows_e, strict=True)]
+    same = (graphed.argmax(-1) == eager.argmax(-1)).flatten().tolist()
     print(f"relative logit error {error:.2e}, identical argmax {sum(same)}/{len(same)}")
     # measured on an H200: decode 1.1e-2 and 118 of 120, verify 1.3e-2 and 530 of 540
     assert error < 3e-2, error
