@@ -206,6 +206,8 @@ class Engine:
         try:
             while True:
                 event = outbox.get(timeout=max(deadline - time.monotonic(), 0.001))
+                if event is None:  # the stream ended before the request finished
+                    raise RuntimeError(f"generation failed: {self.failure or 'stream closed'}")
                 for delta in event.deltas:
                     tokens.extend(delta.token_ids)
                     if delta.finish_reason == common_pb2.FINISH_REASON_ERROR:
@@ -344,8 +346,10 @@ class Engine:
             stream.outbox.put(None)
 
     def _fail_all(self, message: str) -> None:
+        """Every request ends with an error delta naming ``message``, then every stream."""
         for seq in list(self._by_request.values()):
             self._emit(seq, [], common_pb2.FINISH_REASON_ERROR, message)
+        self._flush()
         for stream in self._streams.values():
             stream.outbox.put(None)
 
