@@ -283,7 +283,9 @@ def main() -> int:
     if args.start:
         procs, args.target = start_stack(args.draft_kind, args.models, args.device, args.dtype)
     try:
-        channel = wait_for_serving(args.target, 300, "target")
+        channel = wait_for_serving(args.target, 300, "target",
+                                   alive=(lambda: all(p.poll() is None for p in procs))
+                                   if procs else None)
         stub = target_pb2_grpc.TargetStub(channel)
         prompts = load_prompts(args.prompts, args.models / "target", args.num_prompts,
                                args.prompt_len)
