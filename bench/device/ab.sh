@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On the GPU machine, one lease: another commit's code (.out/ab, from ab_prepare.sh) against
+# the working tree, alternated, so drift between machines and leases hits both alike:
+#     bash bench/device/ab.sh [RUNS]      (carry ".whl" and ".out"; limit 600 s)
+# First bench_decode_attention.py's Triton kernel at batch 1 and 8, 512 and 2048 keys, for
+# each; then RUNS (default 2) rounds of bench_step_costs.py, base then head. Everything
+# printed goes to $OUT/ab.log; the JSON to $OUT/attn_{base,head}.json and
+# $OUT/costs.json (each run's, in order); the kernel caches to $OUT/fiws.txz. The first
+# step-cost run of a commit whose kernels are not in the carried cache compiles them (up
+# to about 3 minutes).
+set -uo pipefail
+runs=${1:-2}
+source bench/device/setup.sh
+root=$PWD
+declare -A src=([base]="$root/.out/ab" [head]="$root")
+if [ ! -f .out/ab/REV ]; then echo "no .out/ab: run bench/device/ab_prepare.sh REV here first"; exit 2; fi
+echo "base $(cat .out/ab/REV), head the working tree" | tee "$OUT/ab.log"
+bench() {  # which, timeout, script and its arguments: run from that tree's bench/
+    local which=$1 limit=$2
+    shift 2
+    (cd "${src[$which]}/bench" && PYTHONPATH="$root/.site:${src[$which]}" timeout "$limit" \
+        python3 -u "$@") >> "$OUT/ab.log" 2>&1
+    echo "$which $1: rc $?" | tee -a "$OUT/ab.log"
+}
+for which in base head; do
+    bench "$which" 150 bench_decode_attention.py --variants triton --batch 1,8 \
+        --context 512,2048 --out-json "$OUT/attn_$which.json"
+done
+mkdir -p /tmp/costs
+for i in $(seq 1 "$runs"); do
+    for which in base head; do
+        bench "$which" 240 bench_step_costs.py --out-json "/tmp/costs/${i}_$which.json"
+    done
+done
+python3 - "$OUT/costs.json" <<'PY'
+import json, pathlib, sys
+runs = [{"run": p.stem, **json.loads(p.read_text())}
+        for p in sorted(pathlib.Path("/tmp/costs").glob("*.json"))]
+pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1))
+PY
+grep -E "^(base|head) |us_per_layer|^target (decode|verify):|replay|^draft tree \(" "$OUT/ab.log"
+save_kernel_cache
