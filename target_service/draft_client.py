@@ -63,13 +63,15 @@ class DraftLink:
         threading.Thread(target=self._read, args=(self._call, self._replies), daemon=True,
                          name="draft-reader").start()
 
-    @staticmethod
-    def _read(call: Iterator, replies: queue.Queue) -> None:
+    def _read(self, call: Iterator, replies: queue.Queue) -> None:
         try:
             for reply in call:
                 replies.put(reply)
         except grpc.RpcError as exc:  # the stream ended: the exchange that waits reports it
-            log.warning("draft stream ended: %s %s", exc.code().name, exc.details())
+            if call is self._call:
+                log.warning("draft stream ended: %s %s", exc.code().name, exc.details())
+            else:  # this side closed or replaced it (close, _break): nothing went wrong
+                log.info("draft stream closed here: %s", exc.code().name)
             replies.put(exc)
             return
         replies.put(grpc.RpcError("draft stream closed by the draft"))
@@ -101,15 +103,15 @@ class DraftLink:
             log.info("dropping late draft reply for step %d", item.step)
 
     def _break(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
+        call, self._call = self._call, None  # first: the reader then knows it was this side
+        if call is not None:
+            call.cancel()
         self._requests.put(_END)
-        self._call = None
         self._retry_at = time.monotonic() + RETRY_AFTER_S
 
     def close(self) -> None:
-        if self._call is not None:
+        call, self._call = self._call, None
+        if call is not None:
             self._requests.put(_END)
-            self._call.cancel()
-            self._call = None
+            call.cancel()
         self._channel.close()

@@ -1,0 +1,64 @@
+"""target_service.draft_client.DraftLink against a real gRPC server: replies matched to
+their step, and what its log says when the stream ends."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+
+from splitspec.grpc_server import CHANNEL_OPTIONS
+from splitspec.v1 import draft_pb2, draft_pb2_grpc
+from target_service.draft_client import DraftLink
+
+
+class Echo(draft_pb2_grpc.DraftServicer):
+    """Answers each request with an empty reply of its step."""
+
+    def Exchange(self, request_iterator, context):
+        for request in request_iterator:
+            yield draft_pb2.DraftReply(step=request.step)
+
+
+@pytest.fixture
+def link():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=CHANNEL_OPTIONS)
+    draft_pb2_grpc.add_DraftServicer_to_server(Echo(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    link = DraftLink(f"127.0.0.1:{port}", channel, draft_pb2.DraftInfo(), timeout_s=5.0)
+    yield link, server
+    link.close()
+    server.stop(None)
+
+
+def readers_done() -> None:
+    for thread in threading.enumerate():
+        if thread.name == "draft-reader":
+            thread.join(5)
+
+
+def test_closing_the_link_is_not_reported_as_a_failure(link, caplog):
+    link, _ = link
+    caplog.set_level(logging.INFO, logger="target_service.draft_client")
+    result = link.exchange(draft_pb2.DraftRequest(step=3))
+    assert result.reply is not None and result.reply.step == 3 and not result.stream_restarted
+    link.close()
+    readers_done()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert "draft stream closed here: CANCELLED" in caplog.messages
+
+
+def test_a_draft_that_goes_away_is_reported(link, caplog):
+    link, server = link
+    assert link.exchange(draft_pb2.DraftRequest(step=1)).reply is not None
+    server.stop(None)
+    result = link.exchange(draft_pb2.DraftRequest(step=2))
+    assert result.reply is None and "draft stream failed" in result.error
+    readers_done()
+    assert any(r.levelno == logging.WARNING and "draft stream ended" in r.getMessage()
+               for r in caplog.records)
