@@ -276,46 +276,68 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     parser.add_argument("--repeats", type=int, default=5, help="runs per mode; medians reported")
+    parser.add_argument("--target-flag", action="append", default=[],
+                        help="with --start: also start a second stack whose target gets this "
+                             "flag (repeatable; e.g. --target-flag=--no-early-exchange); each "
+                             "mode runs on both stacks in turn and the second's is reported "
+                             "against the first's")
     args = parser.parse_args()
+    if args.target_flag and not args.start:
+        parser.error("--target-flag needs --start")
     shapes = {name: SHAPES[name] for name in args.shapes.split(",") if name != "adaptive"}
     with_adaptive = "adaptive" in args.shapes.split(",")
     procs: list[subprocess.Popen] = []
+    targets = {"": args.target}  # label -> address; the first stack's label is ""
     if args.start:
-        procs, args.target = start_stack(args.draft_kind, args.models, args.device, args.dtype)
+        procs, targets[""] = start_stack(args.draft_kind, args.models, args.device, args.dtype)
+        if args.target_flag:
+            more, targets[" ".join(args.target_flag)] = start_stack(
+                args.draft_kind, args.models, args.device, args.dtype,
+                target_args=args.target_flag)
+            procs += more
     try:
-        channel = wait_for_serving(args.target, 300, "target",
-                                   alive=(lambda: all(p.poll() is None for p in procs))
-                                   if procs else None)
-        stub = target_pb2_grpc.TargetStub(channel)
+        stubs = {}
+        for label, address in targets.items():
+            channel = wait_for_serving(address, 300, f"target {label}".strip(),
+                                       alive=(lambda: all(p.poll() is None for p in procs))
+                                       if procs else None)
+            stubs[label] = target_pb2_grpc.TargetStub(channel)
         prompts = load_prompts(args.prompts, args.models / "target", args.num_prompts,
                                args.prompt_len)
-        modes: dict[str, tuple[int, int, int] | None] = {"OFF": None, **shapes}
+        modes: dict[str, tuple[int, int, int] | str | None] = {"OFF": None, **shapes}
         if with_adaptive:
             modes["adaptive"] = "adaptive"
-        rates: dict[str, list[float]] = {m: [] for m in modes}
-        last: dict[str, RunStats] = {}
+        rates: dict[tuple[str, str], list[float]] = {(t, m): [] for t in stubs for m in modes}
+        last: dict[tuple[str, str], RunStats] = {}
         num, topk, steps = SHAPES["tree"]
-        policy = AdaptivePolicy(adaptive_shapes("", common_pb2.DraftShape(
-            num_draft_tokens=num, topk=topk, num_steps=steps)))
+        policies = {label: AdaptivePolicy(adaptive_shapes("", common_pb2.DraftShape(
+            num_draft_tokens=num, topk=topk, num_steps=steps))) for label in stubs}
         for _ in range(args.repeats):
             for name, shape in modes.items():  # interleaved, so drift hits all alike
-                run_shape = policy if shape == "adaptive" else shape  # one policy: it learns
-                last[name] = run_target(stub, prompts, args.max_new_tokens, run_shape,
-                                        args.concurrency)
-                rates[name].append(last[name].tokens_per_s)
-        print(f"target {args.target}, {len(prompts)} {args.prompts} prompts x "
-              f"{args.max_new_tokens} tokens, concurrency {args.concurrency}, "
-              f"{args.repeats} runs per mode")
-        for name in modes:
-            ratio = statistics.median(on / off for on, off in zip(rates[name], rates["OFF"],
-                                                                  strict=True))
-            stats = last[name]
-            print(f"  {name:7s}: {statistics.median(rates[name]):8.1f} tok/s (median of "
-                  + ", ".join(f"{r:.1f}" for r in rates[name]) + f"), x{ratio:.2f} vs OFF"
-                  + (f", accepted/verify step {stats.mean_accepted:.2f}, by depth "
-                     + " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth)
-                     if name != "OFF" else ""))
-            print(f"           step: {breakdown(stats.steps, name != 'OFF')}")
+                for label, stub in stubs.items():
+                    # one policy per stack: it learns
+                    run_shape = policies[label] if shape == "adaptive" else shape
+                    last[label, name] = run_target(stub, prompts, args.max_new_tokens,
+                                                   run_shape, args.concurrency)
+                    rates[label, name].append(last[label, name].tokens_per_s)
+        for label, address in targets.items():
+            print(f"target {address}{f' ({label})' if label else ''}, {len(prompts)} "
+                  f"{args.prompts} prompts x {args.max_new_tokens} tokens, concurrency "
+                  f"{args.concurrency}, {args.repeats} runs per mode")
+            for name in modes:
+                ratio = statistics.median(on / off for on, off in zip(
+                    rates[label, name], rates[label, "OFF"], strict=True))
+                against = "" if not label else ", x{:.3f} vs the first stack's".format(
+                    statistics.median(b / a for b, a in zip(
+                        rates[label, name], rates["", name], strict=True)))
+                stats = last[label, name]
+                print(f"  {name:7s}: {statistics.median(rates[label, name]):8.1f} tok/s "
+                      "(median of " + ", ".join(f"{r:.1f}" for r in rates[label, name])
+                      + f"), x{ratio:.2f} vs OFF{against}"
+                      + (f", accepted/verify step {stats.mean_accepted:.2f}, by depth "
+                         + " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth)
+                         if name != "OFF" else ""))
+                print(f"           step: {breakdown(stats.steps, name != 'OFF')}")
         if args.gateway:
             for name, mode in (("OFF", common_pb2.SPECULATION_MODE_OFF),
                                ("ON", common_pb2.SPECULATION_MODE_ON)):

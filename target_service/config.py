@@ -46,6 +46,11 @@ class TargetConfig:
     num_draft_tokens: int = option(8, "default tree size (nodes, root excluded) when speculating")
     topk: int = option(4, "default tree branching (1 = chain)")
     num_steps: int = option(4, "default tree depth")
+    early_exchange: bool = option(False, "send each step's draft request at the end of the "
+                                  "step before, so the exchange runs while that step's tokens "
+                                  "are emitted (the same tokens either way; off: on 2 CPU "
+                                  "cores the overlap slowed the draft more than it saved, "
+                                  "docs/benchmarks.md)")
     draft_timeout_s: float = option(2.0, "deadline of one draft exchange; past it the step decodes plainly")
     connect_timeout_s: float = option(120.0, "how long connect_draft waits for the draft to be SERVING")
     init_report: Path | None = option(None, "also write the JSON init report to this file")

@@ -1,4 +1,5 @@
-"""The target's end of the long-lived draft stream: one request and one reply per step."""
+"""The target's end of the long-lived draft stream: one request and one reply per step
+(sent early, before the step that needs the reply, when the engine knows it already)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,15 @@ class ExchangeResult(NamedTuple):
     reply: draft_pb2.DraftReply | None  # None when the draft could not answer in time
     error: str                          # why not ("" with a reply)
     stream_restarted: bool              # the draft lost all sequence state since the last call
+
+
+class Sent(NamedTuple):
+    """A request on its way (:meth:`DraftLink.send`): what :meth:`DraftLink.receive` needs."""
+
+    step: int
+    deadline: float        # time.monotonic() by which its reply must be in
+    error: str             # why it was not sent ("" when it was)
+    restarted: bool        # the stream was reopened to send it
 
 
 class DraftLink:
@@ -81,25 +91,38 @@ class DraftLink:
         return self._call is not None
 
     def exchange(self, request: draft_pb2.DraftRequest) -> ExchangeResult:
+        """Send ``request`` and wait for its reply (at most the link's timeout)."""
+        return self.receive(self.send(request))
+
+    def send(self, request: draft_pb2.DraftRequest) -> Sent:
+        """Queue ``request`` on the stream (reopened first when it broke and its pause is
+        over) without waiting: its reply is :meth:`receive`'s, due within the timeout."""
         restarted = False
         if self._call is None:
             if time.monotonic() < self._retry_at:
-                return ExchangeResult(None, "draft stream down, retrying later", False)
+                return Sent(request.step, 0.0, "draft stream down, retrying later", False)
             self._open()
             restarted = True
         self._requests.put(request)
-        deadline = time.monotonic() + self.timeout_s
+        return Sent(request.step, time.monotonic() + self.timeout_s, "", restarted)
+
+    def receive(self, sent: Sent) -> ExchangeResult:
+        """The reply to ``sent``, or why there is none by its deadline; replies to earlier
+        requests still on the stream are dropped."""
+        if sent.error:
+            return ExchangeResult(None, sent.error, sent.restarted)
         while True:
-            left = deadline - time.monotonic()
+            left = sent.deadline - time.monotonic()
             try:
                 item = self._replies.get(timeout=max(left, 0.0))
             except queue.Empty:
-                return ExchangeResult(None, f"no draft reply within {self.timeout_s:.2f}s", restarted)
+                return ExchangeResult(None, f"no draft reply within {self.timeout_s:.2f}s",
+                                      sent.restarted)
             if isinstance(item, Exception):
                 self._break()
                 return ExchangeResult(None, f"draft stream failed: {item}", True)
-            if item.step == request.step:
-                return ExchangeResult(item, "", restarted)
+            if item.step == sent.step:
+                return ExchangeResult(item, "", sent.restarted)
             log.info("dropping late draft reply for step %d", item.step)
 
     def _break(self) -> None:

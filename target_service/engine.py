@@ -7,6 +7,12 @@ prompts (causal) and every decoding sequence's root plus tree (tree mask);
 accept a path plus one more token (greedy: the longest path the argmax
 follows; sampling: see splitspec.sampling); compact the KV cache to the
 accepted path; emit token deltas. The loop never waits on the gateway.
+
+With ``early_exchange`` the next step's draft request leaves at the end of this
+step, before its deltas are emitted (Engine._send_early): the next step uses
+the trees of the sequences whose tokens and shape it still matches and asks
+again for the others (after a new policy, or a cancellation that changed the
+batch size and with it the policy's shape).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from splitspec.tree import (
     tree_error,
 )
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
-from target_service.draft_client import DraftLink
+from target_service.draft_client import DraftLink, ExchangeResult, Sent
 from target_service.runner import ForwardBatch, ModelRunner
 from target_service.scheduler import Scheduler
 from target_service.sequence import FeatureHistory, Sequence, SpecCounters
@@ -75,6 +81,7 @@ class EngineLimits:
     max_tree_nodes: int
     default_shape: common_pb2.DraftShape
     eos_ids: frozenset[int]
+    early_exchange: bool = False  # ask for the next step's trees at the end of this one
 
 
 class _Call(NamedTuple):
@@ -89,6 +96,14 @@ class _ForwardResult(NamedTuple):
     accepted: list[Acceptance]    # each decoding sequence's accepted path and tokens, decode order
     aux: torch.Tensor | None   # [T, k * H] captured features of every new token
     starts: list[int]          # query range of batch entry i: [starts[i], starts[i + 1])
+
+
+class _Early(NamedTuple):
+    """A draft request sent at the end of a step for the next one (Engine._send_early)."""
+
+    sent: Sent
+    seqs: dict[int, tuple[int, common_pb2.DraftShape]]  # seq_id -> (its tokens then, shape)
+    releases: list[int]                                 # the release_ids it carried
 
 
 class _Stream(NamedTuple):
@@ -163,6 +178,7 @@ class Engine:
         self._period_start: float | None = None  # end of the last step or of a wait for work
         self._step_traceparent = b""
         self._pending_releases: list[int] = []
+        self._early: _Early | None = None  # the next step's draft request, already sent
         self._pending: dict[int, list[target_pb2.TokenDelta]] = {}  # stream id -> deltas to send
         self._lock = threading.Lock()
         self.failure = ""  # why the engine cannot serve any more (see abort)
@@ -376,6 +392,8 @@ class Engine:
         result = self._forward(prefill, decode, trees)
         forward_end = time.perf_counter()
         drafted, accepted, kept = self._commit(prefill, decode, trees, result)
+        if self.limits.early_exchange:
+            self._early = self._send_early()
         committed = sum(kept)
         end = time.perf_counter()
         period_start = start if self._period_start is None else self._period_start
@@ -436,34 +454,88 @@ class Engine:
         return shape_for(policy, batch_size, self.limits.default_shape)
 
     def _draft_trees(self, decode: list[Sequence]) -> tuple[dict[int, Tree], int]:
-        """One draft exchange for the sequences that speculate this step: their trees ({} when
-        none can) and the largest tree size asked of the draft."""
+        """The trees of the sequences that speculate this step ({} when none can) and the
+        largest tree size asked of the draft: from the request the last step sent early
+        (:meth:`_send_early`) for the sequences whose shape and tokens it still matches, and
+        from one exchange for the others."""
         shapes = {s.seq_id: self._shape(s, len(decode)) for s in decode}
         wanting = [s for s in decode if shapes[s.seq_id].num_draft_tokens > 0]
-        if not wanting or self.draft is None:
-            return {}, 0
-        budget = max(shapes[s.seq_id].num_draft_tokens for s in wanting)
-        request = draft_pb2.DraftRequest(step=self._step, release_ids=self._pending_releases,
-                                         seqs=[self._draft_input(s, shapes[s.seq_id]) for s in wanting],
-                                         traceparent=self._step_traceparent)
-        result = self.draft.exchange(request)
+        budget = max((shapes[s.seq_id].num_draft_tokens for s in wanting), default=0)
+        early, self._early = self._early, None
+        trees: dict[int, Tree] = {}
+        if early is not None:  # its reply first: the draft has caught up on what it sent
+            early_trees: dict[int, Tree] = {}
+            if not self._take_reply(self.draft.receive(early.sent), early.seqs, early.releases,
+                                    early_trees):
+                return {}, 0
+            matched = {s.seq_id for s in wanting
+                       if early.seqs.get(s.seq_id) == (len(s.tokens), shapes[s.seq_id])}
+            trees = {i: tree for i, tree in early_trees.items() if i in matched}
+            wanting = [s for s in wanting if s.seq_id not in matched]
+        if wanting and self.draft is not None:
+            request = self._draft_request(wanting, shapes, self._step)
+            if not self._take_reply(self.draft.exchange(request),
+                                    {s.seq_id: (len(s.tokens), shapes[s.seq_id]) for s in wanting},
+                                    list(request.release_ids), trees):
+                return {}, 0
+        return trees, budget
+
+    def _draft_request(self, seqs: list[Sequence], shapes: dict[int, common_pb2.DraftShape],
+                       step: int) -> draft_pb2.DraftRequest:
+        return draft_pb2.DraftRequest(step=step, release_ids=self._pending_releases,
+                                      seqs=[self._draft_input(s, shapes[s.seq_id]) for s in seqs],
+                                      traceparent=self._step_traceparent)
+
+    def _send_early(self) -> _Early | None:
+        """Send the next step's draft request now, at the end of this step, so that its way to
+        the draft, the drafting and the reply's way back run while this step's tokens are
+        emitted and the next step is scheduled (docs/benchmarks.md: the exchange's transit).
+        The next step's decode batch is this one's unfinished sequences plus the prompts just
+        prefilled; what changes before it starts (a cancellation, a policy) is settled then."""
+        if self.draft is None:
+            return None
+        decode = [s for s in self.scheduler.decode_batch() if not s.is_cancelled]
+        shapes = {s.seq_id: self._shape(s, len(decode)) for s in decode}
+        wanting = [s for s in decode if shapes[s.seq_id].num_draft_tokens > 0]
+        if not wanting:
+            return None
+        request = self._draft_request(wanting, shapes, self._step + 1)
+        return _Early(self.draft.send(request),
+                      {s.seq_id: (len(s.tokens), shapes[s.seq_id]) for s in wanting},
+                      list(request.release_ids))
+
+    def _take_reply(self, result: ExchangeResult,
+                    sent: dict[int, tuple[int, common_pb2.DraftShape]], releases: list[int],
+                    trees: dict[int, Tree]) -> bool:
+        """Record what a draft reply says about the sequences it was sent for (their trees
+        into ``trees``, how far the draft has caught up); False when there is no reply (this
+        step decodes without speculation)."""
         if result.stream_restarted:
             for seq in self.scheduler.running:
                 seq.draft_synced = 0
         if result.reply is None:
             log.warning("step %d decodes without speculation: %s", self._step, result.error)
-            return {}, 0
-        self._pending_releases = []
-        self._draft_compute_s = result.reply.draft_s
-        trees = {}
-        for seq, pb in zip(wanting, result.reply.trees, strict=False):
-            tree = self._accept_tree(seq, pb, shapes[seq.seq_id].num_draft_tokens)
+            return False
+        released = set(releases)
+        self._pending_releases = [i for i in self._pending_releases if i not in released]
+        self._draft_compute_s += result.reply.draft_s
+        running = {s.seq_id: s for s in self.scheduler.running}
+        for (seq_id, (num_tokens, shape)), pb in zip(sent.items(), result.reply.trees,
+                                                    strict=False):
+            seq = running.get(seq_id)
+            if seq is None:  # finished since it was sent: the draft holds it until released
+                if seq_id not in self._pending_releases:
+                    self._pending_releases.append(seq_id)
+                continue
+            tree = self._accept_tree(seq, pb, shape.num_draft_tokens, num_tokens)
             if tree is not None:
-                trees[seq.seq_id] = tree
-        return trees, budget
+                trees[seq_id] = tree
+        return True
 
     def _draft_input(self, seq: Sequence, shape: common_pb2.DraftShape) -> draft_pb2.SeqDraftInput:
-        start = seq.draft_synced
+        # At least the last token: a request the early one already caught up (asked again for
+        # another shape) redoes it, as a draft that drafts from new tokens expects.
+        start = min(seq.draft_synced, len(seq.tokens) - 1)
         item = draft_pb2.SeqDraftInput(seq_id=seq.seq_id, start=start,
                                        new_tokens=seq.tokens[start:], shape=shape)
         if not seq.sampling.is_greedy:
@@ -477,12 +549,15 @@ class Engine:
             item.dtype = str(rows.dtype).removeprefix("torch.")
         return item
 
-    def _accept_tree(self, seq: Sequence, pb: draft_pb2.DraftTree, budget: int) -> Tree | None:
+    def _accept_tree(self, seq: Sequence, pb: draft_pb2.DraftTree, budget: int,
+                     num_tokens: int) -> Tree | None:
+        """The tree of a reply to a request that sent the sequence's first ``num_tokens``
+        tokens (None: none, or one the target refuses)."""
         if pb.seq_id != seq.seq_id or pb.error:
             log.warning("draft could not serve sequence %d: %s", seq.seq_id, pb.error or "wrong seq_id")
             seq.draft_synced = 0  # resend everything next time
             return None
-        seq.draft_synced = len(seq.tokens)
+        seq.draft_synced = num_tokens
         # A greedy sequence verifies by argmax whatever the draft sent: proposals do not matter.
         proposals = () if seq.sampling.is_greedy else tuple(
             Proposal(list(p.tokens), list(p.probs)) for p in pb.proposals)

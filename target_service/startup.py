@@ -451,7 +451,8 @@ def build(cfg: TargetConfig, startup: Startup, start_engine: Callable[[Engine], 
     limits = EngineLimits(vocab_size=spec.config.vocab_size, max_context=cfg.max_context,
                           max_prefill_tokens=cfg.max_prefill_tokens,
                           max_tree_nodes=cfg.max_tree_nodes, default_shape=default_shape,
-                          eos_ids=frozenset(spec.config.eos_token_ids))
+                          eos_ids=frozenset(spec.config.eos_token_ids),
+                          early_exchange=cfg.early_exchange)
     engine = Engine(parts.runner, Scheduler(parts.pool, cfg.max_running, cfg.max_tree_nodes),
                     limits, draft.link if draft else None, draft.capture if draft else ())
     start_engine(engine)

@@ -62,9 +62,14 @@ def prompts():
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
-def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts):
+@pytest.mark.parametrize("early", [False, True], ids=["exchange", "early-exchange"])
+def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts, early):
+    # With --early-exchange every toggle finds the request sent the step before for the
+    # other policy: its trees are dropped, and the draft is asked again.
     draft = Service("draft_service", [], tmp_path).wait_serving()
-    target = Service("target_service", ["--draft", draft.address], tmp_path).wait_serving()
+    target = Service("target_service", ["--draft", draft.address,
+                                        *(["--early-exchange"] if early else [])],
+                     tmp_path).wait_serving()
     try:
         plain, _ = serve(target, prompts, 48, speculate=False)
         toggled, steps = serve(target, prompts, 48, toggle_every=3)
@@ -96,9 +101,11 @@ def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts)
     assert not any(s.first_child_accepted for s in stats if not s.speculated)
 
 
-def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts):
+@pytest.mark.parametrize("early", [False, True], ids=["exchange", "early-exchange"])
+def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts, early):
     draft = Service("draft_service", [], tmp_path).wait_serving()
-    target = Service("target_service", ["--draft", draft.address, "--draft-timeout-s", "1"],
+    target = Service("target_service", ["--draft", draft.address, "--draft-timeout-s", "1",
+                                        *(["--early-exchange"] if early else [])],
                      tmp_path).wait_serving()
     gateway = Service("gateway", ["--target", target.address], tmp_path).wait_serving()
     stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
@@ -135,10 +142,12 @@ def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts):
             service.stop()
 
 
-def test_slow_draft_exchanges_are_skipped_without_changing_output(tmp_path, prompts):
+@pytest.mark.parametrize("early", [False, True], ids=["exchange", "early-exchange"])
+def test_slow_draft_exchanges_are_skipped_without_changing_output(tmp_path, prompts, early):
     draft = Service("draft_service", [], tmp_path,
                     env={"SPLITSPEC_INJECT_DRAFT_FAULT": "slow"}).wait_serving()
-    target = Service("target_service", ["--draft", draft.address, "--draft-timeout-s", "0.2"],
+    target = Service("target_service", ["--draft", draft.address, "--draft-timeout-s", "0.2",
+                                        *(["--early-exchange"] if early else [])],
                      tmp_path).wait_serving()
     try:
         plain, _ = serve(target, prompts, 32, speculate=False)

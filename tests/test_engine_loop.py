@@ -1,0 +1,242 @@
+"""The target's step loop on a stand-in model (NullRunner: every argmax is 7) and, for the
+draft exchange, a stand-in draft in process: Engine.call, step statistics, what a request
+sees when a step fails, and the early exchange (each step's draft request sent during the
+step before)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import types
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from splitspec.kv_cache import PagePool
+from splitspec.v1 import common_pb2, draft_pb2, target_pb2
+from target_service.draft_client import ExchangeResult, Sent
+from target_service.engine import Engine, EngineLimits
+from target_service.scheduler import Scheduler
+
+
+class NullRunner:
+    device = "cpu"
+    last_graphed = False
+    cache = types.SimpleNamespace(page_size=16)
+
+    def __init__(self) -> None:
+        self.forwards = []
+
+    def forward(self, batch):
+        self.forwards.append((batch.ids.tolist(), batch.attn[0].table.pages))
+        return torch.arange(float(len(batch.logit_rows) * 8)).view(-1, 8), None
+
+    def copy_slots(self, src, dst):
+        raise AssertionError("no compaction expected")
+
+    def stop(self):
+        pass
+
+
+@contextlib.contextmanager
+def running_engine(runner: NullRunner, pool: PagePool, draft: object = None,
+                   shape: common_pb2.DraftShape | None = None, early: bool = False
+                   ) -> Iterator[Engine]:
+    """An engine over ``runner`` (and ``draft``, speculating with ``shape``) with its loop on
+    a thread named engine-loop, stopped after."""
+    engine = Engine(runner, Scheduler(pool, 4, 8),
+                    EngineLimits(8, 64, 64, 8, shape or common_pb2.DraftShape(), frozenset(),
+                                 early_exchange=early), draft, ())
+    if draft is not None:
+        draft.engine = engine
+    stop = threading.Event()
+    thread = threading.Thread(target=engine.run, args=(stop, print), name="engine-loop",
+                              daemon=True)
+    thread.start()
+    try:
+        yield engine
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+def test_engine_call_runs_on_the_engine_thread_and_raises_there_errors_here():
+    runner, pool = NullRunner(), PagePool(8)
+    with running_engine(runner, pool) as engine:
+        assert engine.call(lambda: threading.current_thread().name) == "engine-loop"
+        with pytest.raises(ZeroDivisionError):
+            engine.call(lambda: 1 / 0)
+        logits = engine.last_logits([3, 1, 4, 1, 5])
+        assert logits.tolist() == [float(i) for i in range(8)]
+        assert runner.forwards[0][0] == [3, 1, 4, 1, 5]
+        assert pool.num_free == 8  # the scratch pages went back
+
+
+@pytest.mark.parametrize("graphed", [False, True])
+def test_step_stats_say_whether_the_forward_replayed_a_graph(graphed):
+    runner = NullRunner()
+    runner.last_graphed = graphed  # what ModelRunner.forward records for its last call
+    with running_engine(runner, PagePool(8)) as engine:
+        tokens, _ = engine.generate([3, 1, 4], 2, common_pb2.SPECULATION_MODE_OFF)
+        assert len(tokens) == 2
+        assert engine.last_stats.batch_size == 1 and engine.last_stats.graphed == graphed
+
+
+class FailingRunner(NullRunner):
+    """Its second forward raises: the engine breaks mid-generation."""
+
+    def forward(self, batch):
+        if self.forwards:
+            raise MemoryError("out of device memory in step 2")
+        return super().forward(batch)
+
+
+def test_a_failed_step_ends_every_request_with_the_cause():
+    crashes = []
+    engine = Engine(FailingRunner(), Scheduler(PagePool(8), 4, 8),
+                    EngineLimits(8, 64, 64, 8, common_pb2.DraftShape(), frozenset()), None, ())
+    other, outbox = engine.open_stream()
+    engine.submit(other, target_pb2.ServeRequest(admit=target_pb2.Admit(
+        request_id=7, prompt_ids=[2, 7], max_new_tokens=5,
+        speculation=common_pb2.SPECULATION_MODE_OFF)))
+    thread = threading.Thread(target=engine.run, args=(threading.Event(), crashes.append),
+                              daemon=True)
+    thread.start()
+    # warmup's and the tests' in-process generation: the engine's failure, not a stray error
+    with pytest.raises(RuntimeError, match="target engine failed: MemoryError: out of device "
+                                           "memory in step 2"):
+        engine.generate([3, 1, 4], 4, common_pb2.SPECULATION_MODE_OFF, timeout_s=10)
+    thread.join(5)
+    assert [type(e) for e in crashes] == [MemoryError]
+    # a gateway stream gets its request's error delta before the stream ends: nothing lost
+    events = []
+    while (event := outbox.get(timeout=5)) is not None:
+        events.append(event)
+    finished = [d for e in events for d in e.deltas if d.finish_reason]
+    assert [(d.request_id, d.finish_reason) for d in finished] == [
+        (7, common_pb2.FINISH_REASON_ERROR)]
+    assert "MemoryError: out of device memory in step 2" in finished[0].error
+
+
+class SlowRunner(NullRunner):
+    def forward(self, batch):
+        time.sleep(0.01)
+        return super().forward(batch)
+
+
+def test_an_aborted_engine_fails_generation_with_its_reason():
+    with running_engine(SlowRunner(), PagePool(8)) as engine:
+        threading.Timer(0.2, engine.abort, args=("target rank 1 died (exit code -9)",)).start()
+        with pytest.raises(RuntimeError, match=r"rank 1 died \(exit code -9\)"):
+            engine.generate([3, 1, 4], 60, common_pb2.SPECULATION_MODE_OFF, timeout_s=10)
+
+
+class ChainDraft:
+    """DraftLink's calls in process: for each sequence a chain of its shape's size proposing
+    token 7 (NullRunner's argmax, so it is accepted). Records each request with the engine
+    step it was sent in."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None = None
+        self.sent: list[tuple[int, draft_pb2.DraftRequest]] = []
+        self._replies: list[draft_pb2.DraftReply] = []
+        self.on_send: Callable[[draft_pb2.DraftRequest], None] = lambda request: None
+
+    def send(self, request: draft_pb2.DraftRequest) -> Sent:
+        self.sent.append((self.engine._step, draft_pb2.DraftRequest.FromString(
+            request.SerializeToString())))
+        self.on_send(request)
+        self._replies.append(draft_pb2.DraftReply(step=request.step, trees=[
+            draft_pb2.DraftTree(seq_id=s.seq_id, tokens=[7] * s.shape.num_draft_tokens,
+                                parents=list(range(s.shape.num_draft_tokens)))
+            for s in request.seqs]))
+        return Sent(request.step, time.monotonic() + 5, "", False)
+
+    def receive(self, sent: Sent) -> ExchangeResult:
+        reply = self._replies.pop(0)
+        assert reply.step == sent.step
+        return ExchangeResult(reply, "", False)
+
+    def exchange(self, request: draft_pb2.DraftRequest) -> ExchangeResult:
+        return self.receive(self.send(request))
+
+
+CHAIN = common_pb2.DraftShape(num_draft_tokens=2, topk=1, num_steps=2)
+ON = common_pb2.SPECULATION_MODE_ON
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_early_exchange_asks_for_each_steps_trees_during_the_step_before(early):
+    draft = ChainDraft()
+    with running_engine(NullRunner(), PagePool(8), draft, CHAIN, early) as engine:
+        first, spec = engine.generate([3, 1, 4], 9, ON)
+        second, _ = engine.generate([2, 7], 3, ON)
+    assert first == [7] * 9 and second == [7] * 3
+    assert spec.verify_steps == 3 and spec.accepted_tokens == 6  # 1 + 3 + 3 + 2 (cut)
+    steps = [request.step for _, request in draft.sent]
+    assert steps == [2, 3, 4, 6]  # one request a decode step (1 and 5 prefill)
+    # Early, every request is sent in the step before its own, a prompt's first in its
+    # prefill step; otherwise in its own.
+    assert [sent_in - request.step for sent_in, request in draft.sent] == [-early] * 4
+    # The first sequence is released by the second's first request, in both cases.
+    assert list(draft.sent[3][1].release_ids) == [1] and draft.sent[3][1].seqs[0].seq_id == 2
+
+
+def test_an_early_request_for_another_shape_is_asked_again():
+    draft = ChainDraft()
+    runner = SlowRunner()
+    with running_engine(runner, PagePool(8), draft, CHAIN, early=True) as engine:
+        stream, outbox = engine.open_stream()
+        engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
+            request_id=1, prompt_ids=[3, 1, 4], max_new_tokens=40, ignore_eos=True,
+            speculation=common_pb2.SPECULATION_MODE_AUTO)))
+        outbox.get(timeout=5)  # the prompt's token: later steps decode with the old policy
+        one = common_pb2.DraftShape(num_draft_tokens=1, topk=1, num_steps=1)
+        engine.submit(stream, target_pb2.ServeRequest(policy=target_pb2.SpecPolicy(entries=[
+            target_pb2.SpecPolicy.Entry(max_batch_size=8, shape=one)])))
+        tokens, finished = [], False
+        while not finished:
+            deltas = outbox.get(timeout=10).deltas
+            tokens += [t for d in deltas for t in d.token_ids]
+            finished = any(d.finish_reason for d in deltas)
+    # the policy's first step finds the early request for the old shape: asked again, the
+    # draft redoing the last token (every request carries new tokens)
+    again = [(first, second) for first, second in zip(draft.sent, draft.sent[1:], strict=False)
+             if first[1].step == second[1].step]
+    assert len(again) == 1
+    (_, early_one), (sent_in, asked) = again[0]
+    assert early_one.seqs[0].shape == CHAIN and asked.seqs[0].shape == one
+    assert sent_in == asked.step and len(asked.seqs[0].new_tokens) == 1
+    assert all(r.seqs[0].shape == one for _, r in draft.sent if r.step > asked.step)
+    assert all(len(r.seqs[0].new_tokens) >= 1 for _, r in draft.sent)
+    assert set(tokens) == {7}
+
+
+def test_a_sequence_cancelled_after_its_early_request_is_released():
+    draft = ChainDraft()
+    with running_engine(SlowRunner(), PagePool(8), draft, CHAIN, early=True) as engine:
+        stream, outbox = engine.open_stream()
+
+        def cancel_new(request: draft_pb2.DraftRequest) -> None:
+            # the early request that first sends request 2's sequence (seq 2): cancelled
+            # before the step it was sent for, so the target never heard back about it
+            if any(s.seq_id == 2 and s.start == 0 for s in request.seqs):
+                engine.submit(stream, target_pb2.ServeRequest(
+                    cancel=target_pb2.Cancel(request_id=2)))
+
+        draft.on_send = cancel_new
+        for rid, prompt in ((1, [3, 1, 4]), (2, [2, 7])):
+            engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
+                request_id=rid, prompt_ids=prompt, max_new_tokens=12, ignore_eos=True,
+                speculation=ON)))
+        finished = {}
+        while len(finished) < 2:
+            for delta in outbox.get(timeout=10).deltas:
+                if delta.finish_reason:
+                    finished[delta.request_id] = delta.finish_reason
+    assert finished == {1: common_pb2.FINISH_REASON_LENGTH, 2: common_pb2.FINISH_REASON_CANCELLED}
+    sent_seq_2 = [i for i, (_, r) in enumerate(draft.sent) if any(s.seq_id == 2 for s in r.seqs)]
+    released = [i for i, (_, r) in enumerate(draft.sent) if 2 in r.release_ids]
+    assert len(sent_seq_2) == 1 and len(released) == 1 and released[0] > sent_seq_2[0]
