@@ -278,7 +278,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5, help="runs per mode; medians reported")
     parser.add_argument("--target-flag", action="append", default=[],
                         help="with --start: also start a second stack whose target gets this "
-                             "flag (repeatable; e.g. --target-flag=--no-early-exchange); each "
+                             "flag (repeatable; e.g. --target-flag=--early-exchange); each "
                              "mode runs on both stacks in turn and the second's is reported "
                              "against the first's")
     args = parser.parse_args()

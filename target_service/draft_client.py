@@ -1,5 +1,5 @@
 """The target's end of the long-lived draft stream: one request and one reply per step
-(sent early, before the step that needs the reply, when the engine knows it already)."""
+(with the target's --early-exchange, the request is sent during the step before)."""
 
 from __future__ import annotations
 
