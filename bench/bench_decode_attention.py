@@ -12,7 +12,10 @@ way the engine runs them, one CUDA graph replaying every layer's attention:
 - ``cuda``: flashinfer's CUDA-core decode kernel (``use_tensor_cores=False``);
 - ``tc-fa3``: the tensor-core decode through flashinfer's SM90 (FA3) prefill kernels;
 - ``triton``, ``triton16``, ``triton64``: splitspec/kernels/paged_decode.py (no host plan;
-  blocks of 32, 16 or 64 keys), split in ``splits_for`` shares.
+  blocks of 32, 16 or 64 keys), split in ``splits_for`` shares;
+- ``triton-s4``, ``triton-s8``, ``triton-s16``: the same in 4, 8 or 16 shares per sequence
+  and KV head (fewer partial results to merge; at batch 1 ``splits_for`` takes 32, a page
+  each at 512 keys).
 
 For each batch size and context length: the median device time of a replay of the
 all-layer graph (replays queued back to back, timed with CUDA events), per layer, and the
@@ -46,7 +49,16 @@ VARIANTS = {  # name: (wrapper options, plan options) for flashinfer; None for T
     "triton": None,
     "triton16": None,
     "triton64": None,
+    "triton-s4": None,
+    "triton-s8": None,
+    "triton-s16": None,
 }
+
+
+def triton_settings(variant: str) -> tuple[int, int | None]:
+    """A Triton variant's keys per block and its split (None: ``splits_for``'s)."""
+    name, _, split = variant.partition("-s")
+    return int(name.removeprefix("triton") or 32), int(split) if split else None
 
 
 def parse_ints(text: str) -> list[int]:
@@ -80,11 +92,11 @@ def attention(variant: str, batch: int, context: int, args: argparse.Namespace,
         table = torch.cat((torch.full((batch, 1), context, dtype=torch.int32),
                            torch.arange(batch * pages_per_seq, dtype=torch.int32).view(
                                batch, pages_per_seq)), dim=1).to(device)
-        splits = splits_for(batch, args.kv_heads,
-                            torch.cuda.get_device_properties(device).multi_processor_count)
+        block_n, splits = triton_settings(variant)
+        splits = splits or splits_for(
+            batch, args.kv_heads, torch.cuda.get_device_properties(device).multi_processor_count)
         part_out = torch.empty(batch, args.heads, splits, args.head_dim, device=device)
         part_lse = torch.empty(batch, args.heads, splits, device=device)
-        block_n = int(variant.removeprefix("triton") or 32)
         return lambda layer: paged_decode_attention(q, layer, table, splits, part_out, part_lse,
                                                     block_n=block_n)
     wrapper_opts, plan_opts = VARIANTS[variant]

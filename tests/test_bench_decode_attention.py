@@ -28,3 +28,11 @@ def test_batch_and_context_lists_need_positive_integers(text):
 def test_without_cuda_it_says_so():
     with pytest.raises(SystemExit, match="needs a CUDA device"):
         bda.main(["--variants", "tc"])
+
+
+@pytest.mark.parametrize(("variant", "settings"), [
+    ("triton", (32, None)), ("triton16", (16, None)), ("triton64", (64, None)),
+    ("triton-s8", (32, 8)), ("triton-s16", (32, 16))])
+def test_triton_variants_name_their_block_and_split(variant, settings):
+    assert variant in bda.VARIANTS
+    assert bda.triton_settings(variant) == settings
