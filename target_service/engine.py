@@ -458,8 +458,7 @@ class Engine:
         largest tree size asked of the draft: from the request the last step sent early
         (:meth:`_send_early`) for the sequences whose shape and tokens it still matches, and
         from one exchange for the others."""
-        shapes = {s.seq_id: self._shape(s, len(decode)) for s in decode}
-        wanting = [s for s in decode if shapes[s.seq_id].num_draft_tokens > 0]
+        shapes, wanting = self._wanting(decode)
         budget = max((shapes[s.seq_id].num_draft_tokens for s in wanting), default=0)
         early, self._early = self._early, None
         trees: dict[int, Tree] = {}
@@ -473,18 +472,27 @@ class Engine:
             trees = {i: tree for i, tree in early_trees.items() if i in matched}
             wanting = [s for s in wanting if s.seq_id not in matched]
         if wanting and self.draft is not None:
-            request = self._draft_request(wanting, shapes, self._step)
-            if not self._take_reply(self.draft.exchange(request),
-                                    {s.seq_id: (len(s.tokens), shapes[s.seq_id]) for s in wanting},
+            request, asked = self._draft_request(wanting, shapes, self._step)
+            if not self._take_reply(self.draft.exchange(request), asked,
                                     list(request.release_ids), trees):
                 return {}, 0
         return trees, budget
 
+    def _wanting(self, decode: list[Sequence]
+                 ) -> tuple[dict[int, common_pb2.DraftShape], list[Sequence]]:
+        """Each decoding sequence's draft shape at this batch size, and those that speculate."""
+        shapes = {s.seq_id: self._shape(s, len(decode)) for s in decode}
+        return shapes, [s for s in decode if shapes[s.seq_id].num_draft_tokens > 0]
+
     def _draft_request(self, seqs: list[Sequence], shapes: dict[int, common_pb2.DraftShape],
-                       step: int) -> draft_pb2.DraftRequest:
-        return draft_pb2.DraftRequest(step=step, release_ids=self._pending_releases,
-                                      seqs=[self._draft_input(s, shapes[s.seq_id]) for s in seqs],
-                                      traceparent=self._step_traceparent)
+                       step: int) -> tuple[draft_pb2.DraftRequest,
+                                           dict[int, tuple[int, common_pb2.DraftShape]]]:
+        """The request for ``seqs``, and what it asks of each: (its tokens now, shape)."""
+        request = draft_pb2.DraftRequest(
+            step=step, release_ids=self._pending_releases,
+            seqs=[self._draft_input(s, shapes[s.seq_id]) for s in seqs],
+            traceparent=self._step_traceparent)
+        return request, {s.seq_id: (len(s.tokens), shapes[s.seq_id]) for s in seqs}
 
     def _send_early(self) -> _Early | None:
         """Send the next step's draft request now, at the end of this step, so that its way to
@@ -494,15 +502,12 @@ class Engine:
         prefilled; what changes before it starts (a cancellation, a policy) is settled then."""
         if self.draft is None:
             return None
-        decode = [s for s in self.scheduler.decode_batch() if not s.is_cancelled]
-        shapes = {s.seq_id: self._shape(s, len(decode)) for s in decode}
-        wanting = [s for s in decode if shapes[s.seq_id].num_draft_tokens > 0]
+        shapes, wanting = self._wanting(
+            [s for s in self.scheduler.decode_batch() if not s.is_cancelled])
         if not wanting:
             return None
-        request = self._draft_request(wanting, shapes, self._step + 1)
-        return _Early(self.draft.send(request),
-                      {s.seq_id: (len(s.tokens), shapes[s.seq_id]) for s in wanting},
-                      list(request.release_ids))
+        request, asked = self._draft_request(wanting, shapes, self._step + 1)
+        return _Early(self.draft.send(request), asked, list(request.release_ids))
 
     def _take_reply(self, result: ExchangeResult,
                     sent: dict[int, tuple[int, common_pb2.DraftShape]], releases: list[int],
