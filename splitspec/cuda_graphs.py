@@ -53,6 +53,7 @@ from splitspec.attention.base import (
     SeqAttention,
     SplitAttention,
     SplitMetadata,
+    new_token_slots,
 )
 from splitspec.attention.cascade import TreeVerifyAttention, TreeVerifyMetadata
 from splitspec.attention.decode_table import (
@@ -64,7 +65,7 @@ from splitspec.attention.decode_table import (
     fill_decode_table,
     scratch_floats,
 )
-from splitspec.attention.flashinfer_backend import AttentionShape, PagedLayout
+from splitspec.attention.flashinfer_backend import AttentionShape
 from splitspec.attention.prompts import (
     PromptAttention,
     PromptMetadata,
@@ -225,7 +226,6 @@ class StepGraphs:
         if key.size:
             padded = [*steps, *self._padding(key.size - len(steps), key.q_len)]
             if key.q_len > 1:
-                layout = PagedLayout.of(padded, self.shape.page_size)
                 g.wrapper.plan([seq.table for seq in padded],
                                [seq.kv_len - key.q_len for seq in padded], key.q_len,
                                self.device)  # the committed slots, each row over them
@@ -253,7 +253,7 @@ class StepGraphs:
                                   staging[2, start:end])
                 g.table.copy_(g.table_staged, non_blocking=True)
             else:
-                staging[2, start:end] = layout.write_slots.numpy()
+                staging[2, start:end] = new_token_slots(padded, self.shape.page_size)
         g.inputs.copy_(g.staged, non_blocking=True)
         g.copied.record()
         g.graph.replay()
@@ -307,7 +307,7 @@ class StepGraphs:
                 wrapper = self._prefix(size, q_len)
                 wrapper.plan([seq.table for seq in padded],
                              [seq.kv_len - q_len for seq in padded], q_len, self.device)
-                slots.copy_(PagedLayout.of(padded, self.shape.page_size).write_slots)
+                slots.copy_(torch.tensor(new_token_slots(padded, self.shape.page_size)))
                 trees = torch.ones(size, q_len, q_len, dtype=torch.bool, device=self.device)
                 parts.append((TreeVerifyAttention(), TreeVerifyMetadata(slots, wrapper, trees)))
         backend, meta = parts[0] if len(parts) == 1 else (

@@ -111,3 +111,23 @@ def test_shared_scratch_is_carved_per_shape_and_refused_when_too_small():
         carve(torch.zeros(need - 1), shape, 3, 4)
     with pytest.raises(ValueError, match="scratch of"):
         carve(torch.zeros(need, dtype=torch.float64), shape, 3, 4)
+
+
+def test_new_token_slots_and_flashinfers_page_lists():
+    """Where a pass writes its new K/V (the last q_len of each sequence's kv_len slots), and
+    the page lists flashinfer plans from (splitspec/attention/flashinfer_backend.py)."""
+    from splitspec.attention.base import SeqAttention, new_token_slots
+    from splitspec.attention.flashinfer_backend import PagedLayout
+
+    seqs = [SeqAttention(PageTable(4, [7, 2, 9], 10), kv_len=9, q_len=3),
+            SeqAttention(PageTable(4, [5], 3), kv_len=3, q_len=1)]
+    assert new_token_slots(seqs, 4) == [2 * 4 + 2, 2 * 4 + 3, 9 * 4 + 0, 5 * 4 + 2]
+    layout = PagedLayout.of(seqs, 4)
+    assert layout.write_slots.tolist() == new_token_slots(seqs, 4)
+    assert layout.qo_indptr.tolist() == [0, 3, 4]
+    assert layout.kv_indptr.tolist() == [0, 3, 4] and layout.kv_indices.tolist() == [7, 2, 9, 5]
+    assert layout.last_page_len.tolist() == [1, 3]
+    with pytest.raises(ValueError, match="q_len <= kv_len"):
+        new_token_slots([SeqAttention(PageTable(4, [5], 3), kv_len=2, q_len=3)], 4)
+    with pytest.raises(IndexError, match="exceeds the 4 slots"):
+        new_token_slots([SeqAttention(PageTable(4, [5], 3), kv_len=5, q_len=1)], 4)

@@ -57,6 +57,22 @@ class SeqAttention:
         return self.mask
 
 
+def new_token_slots(seqs: list[SeqAttention], page_size: int) -> list[int]:
+    """The global cache slots of every sequence's q_len new tokens (its last q_len of
+    kv_len), in order: where a pass writes its K/V."""
+    slots: list[int] = []
+    for seq in seqs:
+        if not 0 < seq.q_len <= seq.kv_len:
+            raise ValueError(f"need 0 < q_len <= kv_len, got q_len={seq.q_len} kv_len={seq.kv_len}")
+        if seq.kv_len > seq.table.capacity:
+            raise IndexError(f"kv_len {seq.kv_len} exceeds the {seq.table.capacity} slots "
+                             "reserved")
+        pages = seq.table.pages
+        slots.extend(pages[s // page_size] * page_size + s % page_size
+                     for s in range(seq.kv_len - seq.q_len, seq.kv_len))
+    return slots
+
+
 @dataclass
 class AttentionMetadata:
     """Per-pass state built by :meth:`AttentionBackend.plan`, reused by every layer; each

@@ -13,8 +13,8 @@ Per forward pass :meth:`FlashInferBackend.plan` picks one kernel for the batch:
 The cache layout is already flashinfer's (NHD, K at index 0 and V at 1 of each
 page; see splitspec/kv_cache.py), so a layer's cache is passed as it is. New
 K/V are written with :meth:`KVCache.write` at the slots ``plan`` computed.
-:class:`PagedLayout` (the page lists flashinfer wants) is shared with the CUDA
-graphs of splitspec/cuda_graphs.py.
+:class:`PagedLayout` holds the page lists flashinfer wants (its write slots come from
+``splitspec.attention.base.new_token_slots``, which the CUDA graphs use alone).
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ from typing import Any
 
 import torch
 
-from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAttention, causal_mask
+from splitspec.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    SeqAttention,
+    causal_mask,
+    new_token_slots,
+)
 from splitspec.kv_cache import KVCache, PageTable
 
 WORKSPACE_BYTES = 128 << 20  # flashinfer's recommended split-k scratch size
@@ -70,21 +76,14 @@ class PagedLayout:
 
     @classmethod
     def of(cls, seqs: list[SeqAttention], page_size: int) -> PagedLayout:
-        qo, kv, indices, last, slots = [0], [0], [], [], []
+        slots = new_token_slots(seqs, page_size)  # (and the shapes checked)
+        qo, kv, indices, last = [0], [0], [], []
         for seq in seqs:
-            if not 0 < seq.q_len <= seq.kv_len:
-                raise ValueError(f"need 0 < q_len <= kv_len, got q_len={seq.q_len} kv_len={seq.kv_len}")
-            if seq.kv_len > seq.table.capacity:
-                raise IndexError(f"kv_len {seq.kv_len} exceeds the {seq.table.capacity} slots "
-                                 "reserved")
             used = -(-seq.kv_len // page_size)
-            pages = seq.table.pages[:used]
-            indices.extend(pages)
+            indices.extend(seq.table.pages[:used])
             qo.append(qo[-1] + seq.q_len)
             kv.append(kv[-1] + used)
             last.append(seq.kv_len - (used - 1) * page_size)
-            slots.extend(pages[s // page_size] * page_size + s % page_size
-                         for s in range(seq.kv_len - seq.q_len, seq.kv_len))
         as_int32 = lambda values: torch.tensor(values, dtype=torch.int32)  # noqa: E731
         return cls(as_int32(qo), as_int32(kv), as_int32(indices), as_int32(last),
                    torch.tensor(slots, dtype=torch.int64))
