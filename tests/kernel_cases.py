@@ -275,6 +275,10 @@ def run_paged_decode(device: str) -> None:
     check_paged_decode(device, torch.bfloat16, [300, 17], 16, 32, 8, 128, splits=8, rows=9)
     # rows without GQA, a one-key sequence, empty splits
     check_paged_decode(device, torch.float32, [1, 45], 16, 2, 2, 32, splits=6, rows=4)
+    # a large tree's rows: 17 rows of a group of 4 are 68 (row, head) pairs, in two blocks of
+    # 64 (the second with 4); 33 rows of a group of 2, 66 pairs, with 3 splits
+    check_paged_decode(device, torch.float32, [70, 9], 16, 8, 2, 32, splits=2, rows=17)
+    check_paged_decode(device, torch.float32, [40], 16, 4, 2, 32, splits=3, rows=33)
     run_table_prefix(device)
 
 

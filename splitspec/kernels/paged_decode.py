@@ -16,7 +16,9 @@ of ``BLOCK_N`` (online softmax, base 2), writing its partial output and log-sum-
 empty share writes -inf). The second: program (row, head) merges the splits by their
 log-sum-exp, and can write the merged log-sum-exp too. Rows > 1 is the committed prefix
 of a verify step or a drafting level (:func:`paged_prefix_attention`): each sequence's rows
-share its keys, loaded once for all of them. Reference: :func:`paged_decode_reference`
+share its keys, loaded once for all of them, or once for each block of MAX_GROUP_ROWS
+(row, head) pairs when there are more (a large tree's; axis 2 of the grid is then the
+pair's block and the split). Reference: :func:`paged_decode_reference`
 (tests/kernel_cases.py compares them).
 """
 
@@ -31,6 +33,8 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 MIN_GROUP_ROWS = 16  # tl.dot's smallest M: a GQA group of fewer heads is padded to it
+MAX_GROUP_ROWS = 64  # a program's most (row, head) pairs: more (a large tree's rows) are
+# split into blocks of this many, each loading the keys again
 # Triton's interpreter multiplies 16-bit floats wrongly in tl.dot, and cannot loop to a
 # bound it loaded: there every dot is float32 and the key loop runs a fixed count.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -71,16 +75,22 @@ def _split_kernel(q, cache, table, part_out, part_lse,
                   q_seq, q_head, c_page, c_kv, c_slot, c_head, t_seq, p_seq, p_head, p_split,
                   l_seq, l_head, splits, group, rows, sm_scale_log2,
                   PAGE: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MAX_BLOCKS: tl.constexpr, IEEE: tl.constexpr):
+                  BLOCK_N: tl.constexpr, MAX_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
+                  ROW_BLOCKS: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    s = tl.program_id(2)
+    if ROW_BLOCKS == 1:
+        s = tl.program_id(2)
+        first_m = 0
+    else:  # axis 2 is (row block, split)
+        s = tl.program_id(2) % splits
+        first_m = (tl.program_id(2) // splits) * BLOCK_G
     kv_len = tl.load(table + b * t_seq)
     # Page-aligned shares, so a block of keys crosses as few pages as it can.
     share = tl.cdiv(tl.cdiv(kv_len, splits), PAGE) * PAGE
     start = s * share
     end = tl.minimum(start + share, kv_len)
-    m = tl.arange(0, BLOCK_G)  # query row r's head kv_head * group + g at m = r * group + g
+    m = first_m + tl.arange(0, BLOCK_G)  # row r's head kv_head * group + g: m = r * group + g
     d = tl.arange(0, D)
     heads = kv_head * group + m % group
     row = b * rows + m // group
@@ -191,15 +201,16 @@ def _attend(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, rows: int
     table = table.contiguous()
     most_keys = page * (table.shape[1] - 1)  # the interpreter's fixed count covers a full table
     share = -(-most_keys // splits)
-    _split_kernel[(table.shape[0], kv_heads, splits)](
+    block_g = min(MAX_GROUP_ROWS, max(MIN_GROUP_ROWS, triton.next_power_of_2(rows * group)))
+    row_blocks = -(-rows * group // block_g)
+    _split_kernel[(table.shape[0], kv_heads, splits * row_blocks)](
         q, cache, table, part_out, part_lse,
         q.stride(0), q.stride(1), cache.stride(0), cache.stride(1), cache.stride(2),
         cache.stride(3), table.stride(0), part_out.stride(0), part_out.stride(1),
         part_out.stride(2), part_lse.stride(0), part_lse.stride(1), splits, group, rows,
-        dim ** -0.5 * LOG2E, PAGE=page, D=dim,
-        BLOCK_G=max(MIN_GROUP_ROWS, triton.next_power_of_2(rows * group)), BLOCK_N=block_n,
+        dim ** -0.5 * LOG2E, PAGE=page, D=dim, BLOCK_G=block_g, BLOCK_N=block_n,
         MAX_BLOCKS=-(-(-(-share // page) * page) // block_n) if INTERPRETED else 0,
-        IEEE=INTERPRETED or q.dtype == torch.float32)
+        IEEE=INTERPRETED or q.dtype == torch.float32, ROW_BLOCKS=row_blocks)
     out = torch.empty_like(q)
     _merge_kernel[(total_rows, heads)](
         part_out, part_lse, out, part_lse if lse is None else lse, part_out.stride(0),
