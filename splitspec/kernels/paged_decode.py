@@ -76,10 +76,10 @@ def _split_kernel(q, cache, table, part_out, part_lse,
                   l_seq, l_head, splits, group, rows, sm_scale_log2,
                   PAGE: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr,
                   BLOCK_N: tl.constexpr, MAX_BLOCKS: tl.constexpr, IEEE: tl.constexpr,
-                  ROW_BLOCKS: tl.constexpr):
+                  BLOCKED: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
-    if ROW_BLOCKS == 1:
+    if not BLOCKED:
         s = tl.program_id(2)
         first_m = 0
     else:  # axis 2 is (row block, split)
@@ -210,7 +210,8 @@ def _attend(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, rows: int
         part_out.stride(2), part_lse.stride(0), part_lse.stride(1), splits, group, rows,
         dim ** -0.5 * LOG2E, PAGE=page, D=dim, BLOCK_G=block_g, BLOCK_N=block_n,
         MAX_BLOCKS=-(-(-(-share // page) * page) // block_n) if INTERPRETED else 0,
-        IEEE=INTERPRETED or q.dtype == torch.float32, ROW_BLOCKS=row_blocks)
+        IEEE=INTERPRETED or q.dtype == torch.float32,
+        BLOCKED=row_blocks > 1)  # a bool, not the count: one compiled variant for any count
     out = torch.empty_like(q)
     _merge_kernel[(total_rows, heads)](
         part_out, part_lse, out, part_lse if lse is None else lse, part_out.stride(0),
