@@ -7,7 +7,9 @@
 # printed goes to $OUT/ab.log; the JSON to $OUT/attn_{base,head}.json and
 # $OUT/costs.json (each run's, in order); the kernel caches to $OUT/fiws.txz. The first
 # step-cost run of a commit whose kernels are not in the carried cache compiles them (up
-# to about 3 minutes).
+# to about 3 minutes). With PROFILE=1, one more step-cost run each under torch.profiler
+# (--profile: per-kernel tables of 5 calls of each step, kernel counts included), packed
+# into $OUT/profiles.tgz (base/ and head/); timings of those runs are not comparable.
 set -uo pipefail
 runs=${1:-2}
 source bench/device/setup.sh
@@ -32,6 +34,12 @@ for i in $(seq 1 "$runs"); do
         bench "$which" 240 bench_step_costs.py --out-json "/tmp/costs/${i}_$which.json"
     done
 done
+if [ "${PROFILE:-0}" = 1 ]; then
+    for which in base head; do
+        bench "$which" 240 bench_step_costs.py --profile "/tmp/prof/$which"
+    done
+    tar -czf "$OUT/profiles.tgz" -C /tmp/prof .
+fi
 python3 - "$OUT/costs.json" <<'PY'
 import json, pathlib, sys
 runs = [{"run": p.stem, **json.loads(p.read_text())}
