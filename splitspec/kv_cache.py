@@ -14,6 +14,7 @@ table is truncated.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -79,6 +80,16 @@ class PageTable:
         pool.free(self.pages)
         self.pages = []
         self.num_slots = 0
+
+    def slots(self, positions: Iterable[int]) -> list[int]:
+        """Global slot ids of the given logical slots, on the host (no tensor: for a few
+        slots a step, where building tensors costs more than the arithmetic)."""
+        page, pages, out = self.page_size, self.pages, []
+        for pos in positions:
+            if not 0 <= pos < len(pages) * page:
+                raise IndexError(f"logical slot {pos} asked, {len(pages) * page} reserved")
+            out.append(pages[pos // page] * page + pos % page)
+        return out
 
     def global_slots(self, start: int, end: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """Global slot ids of logical slots [start, end) as int64."""

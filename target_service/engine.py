@@ -670,16 +670,21 @@ class Engine:
         committed (the accepted path and the bonus token, cut at max_new_tokens)."""
         length = seq.num_cached
         kept = [0, *acceptance.path]  # tree indices whose K/V stays: root then accepted nodes
-        moved = [(length + src, length + dst) for dst, src in enumerate(kept) if src != dst]
-        if moved:
-            slots = seq.table.global_slots(0, length + 1 + tree.num_nodes, self.device)
-            src = slots[torch.tensor([m[0] for m in moved], device=self.device)]
-            dst = slots[torch.tensor([m[1] for m in moved], device=self.device)]
-            self.runner.copy_slots(src, dst)
+        moved = [(src, dst) for dst, src in enumerate(kept) if src != dst]
+        features = aux is not None and seq.features is not None
+        if moved or features:
+            # One copy to the device: the moved K/V's source and destination slots, then the
+            # kept rows of the step's features.
+            index = seq.table.slots([length + src for src, _ in moved]
+                                    + [length + dst for _, dst in moved])
+            index += [lo + k for k in kept] if features else []
+            rows = torch.tensor(index, device=self.device)
+            if moved:
+                self.runner.copy_slots(rows[:len(moved)], rows[len(moved):2 * len(moved)])
+            if features:
+                seq.features.append(aux[rows[2 * len(moved):].to(aux.device)])
         seq.num_cached = length + len(kept)
         seq.table.num_slots = seq.num_cached
-        if aux is not None and seq.features is not None:
-            seq.features.append(aux[torch.tensor([lo + k for k in kept], device=aux.device)])
         if tree.num_nodes:
             depth = max(depths(tree.parents))
             seq.spec.record_verify(tree.num_nodes, depth, len(acceptance.path))

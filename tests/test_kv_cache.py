@@ -27,6 +27,11 @@ def test_page_table_maps_logical_to_global_slots():
     assert slots == [p0 * 4, p0 * 4 + 1, p0 * 4 + 2, p0 * 4 + 3, p1 * 4, p1 * 4 + 1]
     with pytest.raises(IndexError):
         table.global_slots(0, 9)
+    assert table.slots([5, 0, 3]) == [slots[5], slots[0], slots[3]]  # the same, on the host
+    with pytest.raises(IndexError, match="logical slot 8"):
+        table.slots([1, 8])
+    with pytest.raises(IndexError, match="logical slot -1"):
+        table.slots([-1])
     table.release(pool)
     assert pool.num_free == 7 and table.pages == []
 

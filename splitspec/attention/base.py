@@ -67,9 +67,10 @@ def new_token_slots(seqs: list[SeqAttention], page_size: int) -> list[int]:
         if seq.kv_len > seq.table.capacity:
             raise IndexError(f"kv_len {seq.kv_len} exceeds the {seq.table.capacity} slots "
                              "reserved")
-        pages = seq.table.pages
-        slots.extend(pages[s // page_size] * page_size + s % page_size
-                     for s in range(seq.kv_len - seq.q_len, seq.kv_len))
+        if seq.table.page_size != page_size:
+            raise ValueError(f"a table of pages of {seq.table.page_size} slots, asked for "
+                             f"pages of {page_size}")
+        slots.extend(seq.table.slots(range(seq.kv_len - seq.q_len, seq.kv_len)))
     return slots
 
 
