@@ -136,3 +136,5 @@ def test_new_token_slots_and_flashinfers_page_lists():
         new_token_slots([SeqAttention(PageTable(4, [5], 3), kv_len=2, q_len=3)], 4)
     with pytest.raises(IndexError, match="exceeds the 4 slots"):
         new_token_slots([SeqAttention(PageTable(4, [5], 3), kv_len=5, q_len=1)], 4)
+    with pytest.raises(ValueError, match="pages of 4 slots, asked for pages of 8"):
+        new_token_slots(seqs, 8)
