@@ -253,7 +253,7 @@ class StepGraphs:
                                   staging[2, start:end])
                 g.table.copy_(g.table_staged, non_blocking=True)
             else:
-                staging[2, start:end] = new_token_slots(padded, self.shape.page_size)
+                staging[2, start:end] = new_token_slots(padded)
         g.inputs.copy_(g.staged, non_blocking=True)
         g.copied.record()
         g.graph.replay()
@@ -307,7 +307,7 @@ class StepGraphs:
                 wrapper = self._prefix(size, q_len)
                 wrapper.plan([seq.table for seq in padded],
                              [seq.kv_len - q_len for seq in padded], q_len, self.device)
-                slots.copy_(torch.tensor(new_token_slots(padded, self.shape.page_size)))
+                slots.copy_(torch.tensor(new_token_slots(padded)))
                 trees = torch.ones(size, q_len, q_len, dtype=torch.bool, device=self.device)
                 parts.append((TreeVerifyAttention(), TreeVerifyMetadata(slots, wrapper, trees)))
         backend, meta = parts[0] if len(parts) == 1 else (

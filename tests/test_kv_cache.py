@@ -126,15 +126,13 @@ def test_new_token_slots_and_flashinfers_page_lists():
 
     seqs = [SeqAttention(PageTable(4, [7, 2, 9], 10), kv_len=9, q_len=3),
             SeqAttention(PageTable(4, [5], 3), kv_len=3, q_len=1)]
-    assert new_token_slots(seqs, 4) == [2 * 4 + 2, 2 * 4 + 3, 9 * 4 + 0, 5 * 4 + 2]
+    assert new_token_slots(seqs) == [2 * 4 + 2, 2 * 4 + 3, 9 * 4 + 0, 5 * 4 + 2]
     layout = PagedLayout.of(seqs, 4)
-    assert layout.write_slots.tolist() == new_token_slots(seqs, 4)
+    assert layout.write_slots.tolist() == new_token_slots(seqs)
     assert layout.qo_indptr.tolist() == [0, 3, 4]
     assert layout.kv_indptr.tolist() == [0, 3, 4] and layout.kv_indices.tolist() == [7, 2, 9, 5]
     assert layout.last_page_len.tolist() == [1, 3]
     with pytest.raises(ValueError, match="q_len <= kv_len"):
-        new_token_slots([SeqAttention(PageTable(4, [5], 3), kv_len=2, q_len=3)], 4)
+        new_token_slots([SeqAttention(PageTable(4, [5], 3), kv_len=2, q_len=3)])
     with pytest.raises(IndexError, match="exceeds the 4 slots"):
-        new_token_slots([SeqAttention(PageTable(4, [5], 3), kv_len=5, q_len=1)], 4)
-    with pytest.raises(ValueError, match="pages of 4 slots, asked for pages of 8"):
-        new_token_slots(seqs, 8)
+        new_token_slots([SeqAttention(PageTable(4, [5], 3), kv_len=5, q_len=1)])

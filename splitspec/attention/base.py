@@ -57,9 +57,9 @@ class SeqAttention:
         return self.mask
 
 
-def new_token_slots(seqs: list[SeqAttention], page_size: int) -> list[int]:
+def new_token_slots(seqs: list[SeqAttention]) -> list[int]:
     """The global cache slots of every sequence's q_len new tokens (its last q_len of
-    kv_len), in order: where a pass writes its K/V."""
+    kv_len), in order: where a pass writes its K/V (each table maps with its page size)."""
     slots: list[int] = []
     for seq in seqs:
         if not 0 < seq.q_len <= seq.kv_len:
@@ -67,9 +67,6 @@ def new_token_slots(seqs: list[SeqAttention], page_size: int) -> list[int]:
         if seq.kv_len > seq.table.capacity:
             raise IndexError(f"kv_len {seq.kv_len} exceeds the {seq.table.capacity} slots "
                              "reserved")
-        if seq.table.page_size != page_size:
-            raise ValueError(f"a table of pages of {seq.table.page_size} slots, asked for "
-                             f"pages of {page_size}")
         slots.extend(seq.table.slots(range(seq.kv_len - seq.q_len, seq.kv_len)))
     return slots
 

@@ -76,7 +76,7 @@ class PagedLayout:
 
     @classmethod
     def of(cls, seqs: list[SeqAttention], page_size: int) -> PagedLayout:
-        slots = new_token_slots(seqs, page_size)  # (and the shapes checked)
+        slots = new_token_slots(seqs)  # (and the shapes checked)
         qo, kv, indices, last = [0], [0], [], []
         for seq in seqs:
             used = -(-seq.kv_len // page_size)
