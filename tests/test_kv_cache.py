@@ -118,6 +118,16 @@ def test_shared_scratch_is_carved_per_shape_and_refused_when_too_small():
         carve(torch.zeros(need, dtype=torch.float64), shape, 3, 4)
 
 
+def test_splits_fill_four_waves_of_blocks_within_bounds():
+    from splitspec.attention.decode_table import splits_for
+
+    # the H200's 132 SMs, the 8B shape's 8 KV heads: the best measured at batch 1-32
+    assert [splits_for(b, 8, 132) for b in (1, 4, 8, 16, 32)] == [32, 16, 8, 4, 2]
+    assert splits_for(64, 8, 132) == 1 and splits_for(1000, 8, 132) == 1  # at least one
+    assert splits_for(1, 1, 132) == 32  # at most 32
+    assert splits_for(3, 2, 1) == 1  # the interpreter's one "processor"
+
+
 def test_new_token_slots_and_flashinfers_page_lists():
     """Where a pass writes its new K/V (the last q_len of each sequence's kv_len slots), and
     the page lists flashinfer plans from (splitspec/attention/flashinfer_backend.py)."""

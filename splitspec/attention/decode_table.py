@@ -84,9 +84,12 @@ def carve(flat: torch.Tensor, shape: AttentionShape, seqs: int, rows: int
 
 
 def splits_for(batch: int, kv_heads: int, processors: int) -> int:
-    """Splits per (sequence, KV head) that fill about two waves of ``processors`` blocks, at
-    least 1 and at most 32."""
-    return max(1, min(32, -(-2 * processors // (batch * kv_heads))))
+    """Splits per (sequence, KV head): as many as fit in four waves of ``processors``
+    blocks, at least 1 and at most 32. On the H200, 8B shape (132 SMs, 8 KV heads: 32, 16,
+    8, 4, 2 splits at batch 1, 4, 8, 16, 32) the best measured split at every batch but 4
+    with 512 keys (docs/benchmarks.md, thirteenth part); two waves, before, were 10-16 %
+    slower at batch 8 and 16."""
+    return max(1, min(32, 4 * processors // (batch * kv_heads)))
 
 
 def block_keys(batch: int) -> int:
