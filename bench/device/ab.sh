@@ -9,7 +9,10 @@
 # step-cost run of a commit whose kernels are not in the carried cache compiles them (up
 # to about 3 minutes). With PROFILE=1, one more step-cost run each under torch.profiler
 # (--profile: per-kernel tables of 5 calls of each step, kernel counts included), packed
-# into $OUT/profiles.tgz (base/ and head/); timings of those runs are not comparable.
+# into $OUT/profiles.tgz (base/ and head/); timings of those runs are not comparable. With
+# TRACE=1 those runs also write each profile's Chrome trace (bench/device/kernel_gaps.py;
+# $OUT/traces.tgz), and $OUT/gaps.txt says where each one's device time went between
+# kernels.
 set -uo pipefail
 runs=${1:-2}
 source bench/device/setup.sh
@@ -34,11 +37,19 @@ for i in $(seq 1 "$runs"); do
         bench "$which" 240 bench_step_costs.py --out-json "/tmp/costs/${i}_$which.json"
     done
 done
-if [ "${PROFILE:-0}" = 1 ]; then
+if [ "${PROFILE:-0}" = 1 ] || [ "${TRACE:-0}" = 1 ]; then
     for which in base head; do
-        bench "$which" 240 bench_step_costs.py --profile "/tmp/prof/$which"
+        if [ "${TRACE:-0}" = 1 ]; then
+            bench "$which" 240 "$root/bench/device/kernel_gaps.py" run "/tmp/trace/$which" \
+                bench_step_costs.py --profile "/tmp/prof/$which"
+            python3 bench/device/kernel_gaps.py report /tmp/trace/"$which"/*.json \
+                | tee -a "$OUT/gaps.txt"
+        else
+            bench "$which" 240 bench_step_costs.py --profile "/tmp/prof/$which"
+        fi
     done
     tar -czf "$OUT/profiles.tgz" -C /tmp/prof .
+    if [ "${TRACE:-0}" = 1 ]; then tar -czf "$OUT/traces.tgz" -C /tmp/trace .; fi
 fi
 python3 - "$OUT/costs.json" <<'PY'
 import json, pathlib, sys
