@@ -46,16 +46,21 @@ class LlamaForCausalLM(nn.Module):
         that layer) is returned in ``aux``; index num_layers means the output of
         the last layer before the final norm.
         """
-        h = self.model.embed_tokens(input_ids)
+        h = self.model.embed_tokens(input_ids)  # the residual stream
+        delta: torch.Tensor | None = None  # the last MLP's output, not yet added to h
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.model.layers):
+            norm = layer.input_layernorm
+            x, h = (norm(h), h) if delta is None else norm.add_forward(delta, h)
             if i in capture:
                 captured[i] = h
-            h = layer(h, positions, ctx)
+            delta, h = layer(x, h, positions, ctx)
+        final = self.model.norm
+        normed, h = (final(h), h) if delta is None else final.add_forward(delta, h)
         if self.config.num_layers in capture:
             captured[self.config.num_layers] = h
         aux = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        return LlamaOutput(self.model.norm(h), aux)
+        return LlamaOutput(normed, aux)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] in float32 for normed hidden states [N, H] (on every rank)."""
