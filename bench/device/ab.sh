@@ -3,7 +3,7 @@
 # the working tree, alternated, so drift between machines and leases hits both alike:
 #     bash bench/device/ab.sh [RUNS]      (carry ".whl" and ".out"; limit 600 s)
 # First bench_decode_attention.py's Triton kernel at batch 1 and 8, 512 and 2048 keys, for
-# each; then RUNS (default 2) rounds of bench_step_costs.py, base then head. Everything
+# each (ATTN=0 skips it); then RUNS (default 2) rounds of bench_step_costs.py, base then head. Everything
 # printed goes to $OUT/ab.log; the JSON to $OUT/attn_{base,head}.json and
 # $OUT/costs.json (each run's, in order); the kernel caches to $OUT/fiws.txz. The first
 # step-cost run of a commit whose kernels are not in the carried cache compiles them (up
@@ -27,10 +27,12 @@ bench() {  # which, timeout, script and its arguments: run from that tree's benc
         python3 -u "$@") >> "$OUT/ab.log" 2>&1
     echo "$which $1: rc $?" | tee -a "$OUT/ab.log"
 }
-for which in base head; do
-    bench "$which" 150 bench_decode_attention.py --variants triton --batch 1,8 \
-        --context 512,2048 --out-json "$OUT/attn_$which.json"
-done
+if [ "${ATTN:-1}" = 1 ]; then
+    for which in base head; do
+        bench "$which" 150 bench_decode_attention.py --variants triton --batch 1,8 \
+            --context 512,2048 --out-json "$OUT/attn_$which.json"
+    done
+fi
 mkdir -p /tmp/costs
 for i in $(seq 1 "$runs"); do
     for which in base head; do
