@@ -28,6 +28,7 @@ import runpy
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import NamedTuple
 
 DEVICE_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 
@@ -55,34 +56,55 @@ def short(name: str) -> str:
     return name if len(name) <= 48 else name[:45] + "..."
 
 
-def report(trace: Path, cut_us: float, top: int) -> None:
-    events = json.loads(trace.read_text())
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+class Gaps(NamedTuple):
+    """One trace's device time: operations, busy and span (µs), idle time in gaps under the
+    cut and in longer ones, and the short gaps by the pair of operations either side."""
+
+    operations: int
+    busy_us: float
+    span_us: float
+    inside_us: float
+    between_us: float
+    pairs: dict[tuple[str, str], list[float]]
+
+
+def gaps(events: list[dict], cut_us: float) -> Gaps:
+    """The device operations of a Chrome trace's events, in start order, and the time the
+    device sat idle before each (from the latest end of those before it)."""
     ops = sorted((e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e),
                  key=lambda e: e["ts"])
     if not ops:
-        print(f"{trace}: no device operations")
-        return
-    busy = sum(e["dur"] for e in ops)
-    span = max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]
+        return Gaps(0, 0.0, 0.0, 0.0, 0.0, {})
     inside, between = 0.0, 0.0
     pairs: dict[tuple[str, str], list[float]] = defaultdict(list)
-    for before, after in itertools.pairwise(ops):
-        gap = after["ts"] - (before["ts"] + before["dur"])
-        if gap <= 0:
-            continue
-        if gap < cut_us:
+    last = ops[0]  # of the operations so far, the one that ends last (they may overlap)
+    for after in ops[1:]:
+        gap = after["ts"] - (last["ts"] + last["dur"])
+        if 0 < gap < cut_us:
             inside += gap
-            pairs[(short(before["name"]), short(after["name"]))].append(gap)
-        else:
+            pairs[(short(last["name"]), short(after["name"]))].append(gap)
+        elif gap > 0:
             between += gap
-    print(f"{trace}: {len(ops)} device operations, busy {busy / 1000:.3f} ms, span "
-          f"{span / 1000:.3f} ms; idle between operations: {inside / 1000:.3f} ms in gaps under "
-          f"{cut_us:g} us, {between / 1000:.3f} ms in longer ones")
-    ranked = sorted(pairs.items(), key=lambda item: -sum(item[1]))[:top]
-    for (before, after), gaps in ranked:
-        print(f"  {sum(gaps):9.1f} us over {len(gaps):5d} gaps (mean {sum(gaps) / len(gaps):5.2f})"
-              f"  {before}  ->  {after}")
+        if after["ts"] + after["dur"] > last["ts"] + last["dur"]:
+            last = after
+    span = max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]
+    return Gaps(len(ops), sum(e["dur"] for e in ops), span, inside, between, dict(pairs))
+
+
+def report(trace: Path, cut_us: float, top: int) -> None:
+    events = json.loads(trace.read_text())
+    found = gaps(events.get("traceEvents", []) if isinstance(events, dict) else events, cut_us)
+    if not found.operations:
+        print(f"{trace}: no device operations")
+        return
+    print(f"{trace}: {found.operations} device operations, busy {found.busy_us / 1000:.3f} ms, "
+          f"span {found.span_us / 1000:.3f} ms; idle between operations: "
+          f"{found.inside_us / 1000:.3f} ms in gaps under {cut_us:g} us, "
+          f"{found.between_us / 1000:.3f} ms in longer ones")
+    ranked = sorted(found.pairs.items(), key=lambda item: -sum(item[1]))[:top]
+    for (before, after), times in ranked:
+        print(f"  {sum(times):9.1f} us over {len(times):5d} gaps (mean "
+              f"{sum(times) / len(times):5.2f})  {before}  ->  {after}")
 
 
 def main() -> None:
