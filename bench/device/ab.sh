@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# On the GPU machine, one lease: another commit's code (.out/ab, from ab_prepare.sh) against
-# the working tree, alternated, so drift between machines and leases hits both alike:
+# On the GPU machine, one lease: other commits' code (each in .out/ab/NAME, from
+# ab_prepare.sh) against the working tree ("head"), alternated, so drift between machines
+# and leases hits all alike:
 #     bash bench/device/ab.sh [RUNS]      (carry ".whl" and ".out"; limit 600 s)
 # First bench_decode_attention.py's Triton kernel at batch 1 and 8, 512 and 2048 keys, for
-# each (ATTN=0 skips it); then RUNS (default 2) rounds of bench_step_costs.py, base then head. Everything
-# printed goes to $OUT/ab.log; the JSON to $OUT/attn_{base,head}.json and
-# $OUT/costs.json (each run's, in order); the kernel caches to $OUT/fiws.txz. The first
+# each (ATTN=0 skips it); then RUNS (default 2) rounds of bench_step_costs.py, each tree in
+# name order, head last. Everything printed goes to $OUT/ab.log; the JSON to
+# $OUT/attn_NAME.json and $OUT/costs.json (each run's, in order); the kernel caches to
+# $OUT/fiws.txz. The first
 # step-cost run of a commit whose kernels are not in the carried cache compiles them (up
 # to about 3 minutes). With PROFILE=1, one more step-cost run each under torch.profiler
 # (--profile: per-kernel tables of 5 calls of each step, kernel counts included), packed
-# into $OUT/profiles.tgz (base/ and head/); timings of those runs are not comparable. With
+# into $OUT/profiles.tgz (a folder a tree); timings of those runs are not comparable. With
 # TRACE=1 those runs also write each profile's Chrome trace (bench/device/kernel_gaps.py;
 # $OUT/traces.tgz), and $OUT/gaps.txt says where each one's device time went between
 # kernels.
@@ -17,9 +19,17 @@ set -uo pipefail
 runs=${1:-2}
 source bench/device/setup.sh
 root=$PWD
-declare -A src=([base]="$root/.out/ab" [head]="$root")
-if [ ! -f .out/ab/REV ]; then echo "no .out/ab: run bench/device/ab_prepare.sh REV here first"; exit 2; fi
-echo "base $(cat .out/ab/REV), head the working tree" | tee "$OUT/ab.log"
+declare -A src=([head]="$root")
+trees=()
+for dir in .out/ab/*/; do
+    name=$(basename "$dir")
+    if [ -f "$dir/REV" ] && [ "$name" != head ]; then src[$name]="$root/$dir"; trees+=("$name"); fi
+done
+if [ "${#trees[@]}" -eq 0 ]; then echo "nothing in .out/ab: run bench/device/ab_prepare.sh REV [NAME] here first"; exit 2; fi
+trees+=(head)
+for name in "${trees[@]}"; do
+    echo "$name: $(cat "${src[$name]}/REV" 2>/dev/null || echo the working tree)"
+done | tee "$OUT/ab.log"
 bench() {  # which, timeout, script and its arguments: run from that tree's bench/
     local which=$1 limit=$2
     shift 2
@@ -28,19 +38,19 @@ bench() {  # which, timeout, script and its arguments: run from that tree's benc
     echo "$which $1: rc $?" | tee -a "$OUT/ab.log"
 }
 if [ "${ATTN:-1}" = 1 ]; then
-    for which in base head; do
+    for which in "${trees[@]}"; do
         bench "$which" 150 bench_decode_attention.py --variants triton --batch 1,8 \
             --context 512,2048 --out-json "$OUT/attn_$which.json"
     done
 fi
 mkdir -p /tmp/costs
 for i in $(seq 1 "$runs"); do
-    for which in base head; do
+    for which in "${trees[@]}"; do
         bench "$which" 240 bench_step_costs.py --out-json "/tmp/costs/${i}_$which.json"
     done
 done
 if [ "${PROFILE:-0}" = 1 ] || [ "${TRACE:-0}" = 1 ]; then
-    for which in base head; do
+    for which in "${trees[@]}"; do
         if [ "${TRACE:-0}" = 1 ]; then
             bench "$which" 240 "$root/bench/device/kernel_gaps.py" run "/tmp/trace/$which" \
                 bench_step_costs.py --profile "/tmp/prof/$which"
@@ -59,5 +69,5 @@ runs = [{"run": p.stem, **json.loads(p.read_text())}
         for p in sorted(pathlib.Path("/tmp/costs").glob("*.json"))]
 pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1))
 PY
-grep -E "^(base|head) |us_per_layer|^target (decode|verify):|replay|^draft tree \(" "$OUT/ab.log"
+grep -E ": rc [0-9]+$|us_per_layer|^target (decode|verify):|replay|^draft tree \(" "$OUT/ab.log"
 save_kernel_cache
