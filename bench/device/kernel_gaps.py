@@ -16,7 +16,8 @@ Two uses:
         the cut are summed by the pair of operations either side, largest first, so two
         commits' traces show which transitions got slower.
 
-bench/device/ab.sh runs it with TRACE=1 (base and head, one decode call's profile each).
+bench/device/ab.sh runs it with TRACE=1: each tree's profiled run of bench_step_costs.py
+(1.json its decode calls, 2.json its verify calls, then the eager ones and the draft's).
 """
 
 from __future__ import annotations
