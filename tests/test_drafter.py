@@ -29,7 +29,7 @@ from splitspec.attention import TorchAttentionBackend
 from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_EAGLE3, BUILTIN_TARGET
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import InitReport
-from splitspec.kv_cache import KVCache, PagePool
+from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.config import read_hf_config
 from splitspec.sampling import SamplingParams, proposals
 from splitspec.tree import Tree, depths, first_child_run, tree_error
@@ -706,3 +706,38 @@ def test_graph_trees_flag_parses_and_refuses_bad_entries():
     for bad in ("4", "4x", "0x4", "ax4", "4x4x4"):
         with pytest.raises(ValueError, match="TOPKxDEPTH"):
             DraftConfig(graph_trees=bad).check()
+
+
+def test_chain_inputs_pad_and_reset_rows_between_fills():
+    """The catch-up's inputs (tree_search.ChainInputs) as a graph replays them: each
+    sequence's entries at its own slots, padding rows on the padding slot with token 0 and
+    zero features, and rows a longer catch-up filled before reset by a shorter one."""
+    from draft_service.tree_search import CatchUp, ChainInputs
+
+    inputs = ChainInputs(2, 4, 2, 3, torch.float32, "cpu")
+    a, b = PageTable(4, [7, 2], 8), PageTable(4, [5], 4)
+    feats = torch.arange(9, dtype=torch.float32).view(3, 3) + 1
+    inputs.fill([CatchUp(a, 5, [11, 12, 13], feats), CatchUp(b, 2, [14], None)], pad_slot=99)
+    chain = inputs.chain
+    assert chain.tokens.tolist() == [11, 12, 13, 0, 14, 0, 0, 0]
+    assert chain.positions.tolist() == [5, 6, 7, 8, 2, 3, 4, 5]
+    assert chain.write_slots.tolist() == [9, 10, 11, 99, 22, 99, 99, 99]  # page 2's slots 1-3
+    assert chain.last_row.tolist() == [2, 0] and chain.last.tolist() == [7, 7, 2, 2]
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    eye = torch.eye(4, dtype=torch.bool)
+    real = torch.arange(4)[None, :] < torch.tensor([3, 1])[:, None, None]
+    assert torch.equal(chain.allowed, (causal & real) | eye)
+    assert torch.equal(chain.features[:3], feats) and not chain.features[3:].any()
+
+    inputs.fill([CatchUp(a, 7, [21], None), CatchUp(b, 1, [22, 23, 24], feats)], pad_slot=98)
+    assert chain.tokens.tolist() == [21, 0, 0, 0, 22, 23, 24, 0]
+    assert chain.write_slots.tolist() == [11, 98, 98, 98, 21, 22, 23, 98]
+    assert not chain.features[:4].any() and torch.equal(chain.features[4:7], feats)
+    assert chain.last.tolist() == [7, 7, 3, 3]
+
+    with pytest.raises(ValueError, match="1 .. 4"):
+        inputs.fill([CatchUp(a, 1, [1] * 5, None), CatchUp(b, 1, [1], None)], pad_slot=0)
+    with pytest.raises(ValueError, match="for 2 sequences, given 1"):
+        inputs.fill([CatchUp(a, 1, [1], None)], pad_slot=0)
+    with pytest.raises(IndexError, match="reserved"):  # past the pages the table holds
+        inputs.fill([CatchUp(a, 7, [1, 2], None), CatchUp(b, 1, [1], None)], pad_slot=0)
