@@ -14,7 +14,9 @@
 # into $OUT/profiles.tgz (a folder a tree); timings of those runs are not comparable. With
 # TRACE=1 those runs also write each profile's Chrome trace (bench/device/kernel_gaps.py;
 # $OUT/traces.tgz), and $OUT/gaps.txt says where each one's device time went between
-# kernels.
+# kernels. With LAYOUT=1, three more step-cost runs each under bench/device/pool_layout.py
+# (as is, --decode-alone, --own-pools): each graph's allocations in the graphs' pool, in
+# $OUT/layout.txt (and $OUT/layouts.tgz); each run's timings are in ab.log as usual.
 set -uo pipefail
 runs=${1:-2}
 source bench/device/setup.sh
@@ -63,11 +65,25 @@ if [ "${PROFILE:-0}" = 1 ] || [ "${TRACE:-0}" = 1 ]; then
     tar -czf "$OUT/profiles.tgz" -C /tmp/prof .
     if [ "${TRACE:-0}" = 1 ]; then tar -czf "$OUT/traces.tgz" -C /tmp/trace .; fi
 fi
+if [ "${LAYOUT:-0}" = 1 ]; then  # where each graph's buffers land (bench/device/pool_layout.py)
+    mkdir -p /tmp/layout
+    for which in "${trees[@]}"; do
+        for variant in default decode-alone own-pools; do
+            flag=(); [ "$variant" != default ] && flag=(--"$variant")
+            echo "layout $which $variant:" >> "$OUT/ab.log"
+            bench "$which" 240 "$root/bench/device/pool_layout.py" run \
+                "/tmp/layout/${which}_$variant.json" "${flag[@]}" bench_step_costs.py
+            python3 bench/device/pool_layout.py report "/tmp/layout/${which}_$variant.json" \
+                >> "$OUT/layout.txt"
+        done
+    done
+    tar -czf "$OUT/layouts.tgz" -C /tmp/layout .
+fi
 python3 - "$OUT/costs.json" <<'PY'
 import json, pathlib, sys
 runs = [{"run": p.stem, **json.loads(p.read_text())}
         for p in sorted(pathlib.Path("/tmp/costs").glob("*.json"))]
 pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1))
 PY
-grep -E ": rc [0-9]+$|us_per_layer|^target (decode|verify):|replay|^draft tree \(" "$OUT/ab.log"
+grep -E "^layout |: rc [0-9]+$|us_per_layer|^target (decode|verify):|replay|^draft tree \(" "$OUT/ab.log"
 save_kernel_cache
