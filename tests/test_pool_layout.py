@@ -53,7 +53,13 @@ def test_report_lists_each_graphs_allocations_and_their_segments(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), "report", str(layout)],
                          capture_output=True, text=True, check=True).stdout
     assert "[decode_alone]" in out
-    assert "5 allocations, 4160 bytes, in segments [0, 1]" in out
-    assert "2048 B at 0x10400 (segment 1 + 0x400, kept)" in out
-    assert "64 B at 0x999999 (no segment, kept)" in out
-    assert "segment 1: 2097152 B at 0x10000, small, pool [1, 2]" in out
+    assert "5 allocations, 4160 bytes" in out
+    assert ("3 allocations (2 kept), 3584 B, segment 1 (small, pool [1, 2], 2097152 B at "
+            "0x10000): offsets 0x0-0x400") in out
+    assert "1 allocations (0 kept), 512 B, segment 0 (small, pool [0, 0]" in out
+    assert "1 allocations (1 kept), 64 B, no segment" in out
+    assert "at 0x10400" not in out  # one line an allocation only with --list
+    listed = subprocess.run([sys.executable, str(SCRIPT), "report", str(layout), "--list"],
+                            capture_output=True, text=True, check=True).stdout
+    assert "2048 B at 0x10400 (segment 1 + 0x400, kept)" in listed
+    assert "64 B at 0x999999 (no segment, kept)" in listed

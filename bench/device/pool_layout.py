@@ -14,9 +14,10 @@ uses:
         captures the decode graphs only (q_len 1: the slow case above); --own-pools gives
         each graph a pool of its own.
 
-    python3 pool_layout.py report LAYOUT [LAYOUT...]
-        For each graph: its allocations (size, segment, offset in it, freed or not before
-        the capture ended) and the segments they lie in.
+    python3 pool_layout.py report LAYOUT [LAYOUT...] [--list]
+        For each graph: its allocations by the segment they lie in (how many, how many
+        kept to the capture's end, bytes, offsets in the segment; the segment's type, pool
+        and size); with --list each allocation (size, address, offset, freed or kept).
 
 bench/device/ab.sh runs both with LAYOUT=1.
 """
@@ -113,7 +114,7 @@ def placements(graph: dict[str, Any], segments: list[dict[str, Any]]) -> list[di
     return found
 
 
-def report(path: Path) -> None:
+def report(path: Path, listed: bool) -> None:
     layout = json.loads(path.read_text())
     flags = [flag for flag in ("decode_alone", "own_pools") if layout.get(flag)]
     print(f"{path}: {' '.join(layout['command'])}" + (f" [{', '.join(flags)}]" if flags else ""))
@@ -122,18 +123,27 @@ def report(path: Path) -> None:
         print(f" capture {number}:")
         for graph in capture["graphs"]:
             found = placements(graph, segments)
-            used = sorted({p["segment"] for p in found if p["segment"] is not None})
             print(f"  graph {graph['key']}: {len(found)} allocations, "
-                  f"{sum(p['size'] for p in found)} bytes, in segments {used}")
+                  f"{sum(p['size'] for p in found)} bytes")
+            by_segment: dict[int | None, list[dict[str, Any]]] = {}
             for p in found:
-                where = ("no segment" if p["segment"] is None else
-                         f"segment {p['segment']} + {p['offset']:#x}")
-                print(f"    {p['size']:>10} B at {p['addr']:#x} ({where}, "
-                      f"{'freed' if p['freed'] else 'kept'})")
-            for index in used:
-                s = segments[index]
-                print(f"    segment {index}: {s['size']} B at {s['address']:#x}, {s['type']}, "
-                      f"pool {s['pool']}")
+                by_segment.setdefault(p["segment"], []).append(p)
+            for index, mine in sorted(by_segment.items(), key=lambda item: (item[0] is None,
+                                                                           item[0] or 0)):
+                kept = sum(not p["freed"] for p in mine)
+                where = "no segment" if index is None else (
+                    f"segment {index} ({segments[index]['type']}, pool "
+                    f"{segments[index]['pool']}, {segments[index]['size']} B at "
+                    f"{segments[index]['address']:#x}): offsets "
+                    f"{min(p['offset'] for p in mine):#x}-{max(p['offset'] for p in mine):#x}")
+                print(f"    {len(mine):5d} allocations ({kept} kept), "
+                      f"{sum(p['size'] for p in mine)} B, {where}")
+            if listed:
+                for p in found:
+                    where = ("no segment" if p["segment"] is None else
+                             f"segment {p['segment']} + {p['offset']:#x}")
+                    print(f"      {p['size']:>10} B at {p['addr']:#x} ({where}, "
+                          f"{'freed' if p['freed'] else 'kept'})")
 
 
 def main() -> None:
@@ -150,9 +160,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=["report"])
     parser.add_argument("layouts", nargs="+", type=Path)
+    parser.add_argument("--list", action="store_true", help="every allocation, one a line")
     args = parser.parse_args()
     for path in args.layouts:
-        report(path)
+        report(path, args.list)
 
 
 if __name__ == "__main__":
