@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import queue
 import signal
 import subprocess
@@ -182,9 +183,10 @@ def _receive_calls(rank: int, address: str, count: int, out: mp.Queue) -> None:
         if rank == 0:
             for call in [*sample_calls(), *sample_calls(pages_each=calls.CAPACITY)][:count]:
                 channel.send(*call)
-        else:
+        else:  # pickled here: a tensor put as it is travels as a file descriptor that this
+            # process must still hold when the test reads it, and it may have exited by then
             for _ in range(count):
-                out.put(channel.receive())
+                out.put(pickle.dumps(channel.receive()))
         dist.barrier()  # rank 0 must not close its sockets before rank 1 has read every call
     finally:
         dist.destroy_process_group()
@@ -200,7 +202,7 @@ def test_calls_reach_the_other_rank_whatever_their_size():
     procs = [ctx.Process(target=_receive_calls, args=(r, address, len(want), out)) for r in (0, 1)]
     for proc in procs:
         proc.start()
-    got = [out.get(timeout=60) for _ in want]
+    got = [pickle.loads(out.get(timeout=60)) for _ in want]
     for proc in procs:
         proc.join(30)
         assert proc.exitcode == 0
