@@ -51,6 +51,7 @@ from splitspec.attention.decode_table import TablePrefix, scratch_floats
 from splitspec.attention.flashinfer_backend import FlashInferBackend
 from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
+from splitspec.staging import HostTwin
 
 if TYPE_CHECKING:
     from draft_service.drafter import TreeShape
@@ -161,16 +162,15 @@ class ChainInputs:
             offsets.append(total)
             size = math.prod(shape) * torch.empty((), dtype=kind).element_size()
             total += -(-size // 16) * 16  # every view 16-byte aligned
-        cuda = torch.device(device).type == "cuda"
-        self.staged = torch.zeros(total, dtype=torch.uint8, pin_memory=cuda)
         self.sent = torch.zeros(total, dtype=torch.uint8, device=device)
+        self._twin = HostTwin(self.sent)
 
         def views(buffer: torch.Tensor) -> _Chain:
             found = {name: buffer[start:].view(kind)[:math.prod(shape)].view(shape)
                      for (name, kind, shape), start in zip(layout, offsets, strict=True)}
             return _Chain(**{"features": None, **found})
 
-        self.host, self.chain = views(self.staged), views(self.sent)
+        self.host, self.chain = views(self._twin.host), views(self.sent)
         host = self.host  # numpy views of the host's integer and boolean fields
         self._tokens, self._positions = host.tokens.numpy(), host.positions.numpy()
         self._slots, self._last_row = host.write_slots.numpy(), host.last_row.numpy()
@@ -179,7 +179,6 @@ class ChainInputs:
         columns, causal = np.arange(width), np.tri(width, dtype=bool)
         self._masks = np.stack([(causal & (columns < n)) | np.eye(width, dtype=bool)
                                 for n in range(width + 1)])
-        self._copied = torch.cuda.Event() if cuda else None
 
     def fill(self, seqs: list[CatchUp], pad_slot: int) -> None:
         """Each sequence's new entries padded to the width (token 0, written to ``pad_slot``,
@@ -204,8 +203,7 @@ class ChainInputs:
             firsts.append(first)
             if seq.features is not None:
                 given.append((b * width, num, seq.features))
-        if self._copied is not None:
-            self._copied.synchronize()  # the last fill's copy has left the pinned buffer
+        self._twin.wait()
         self._tokens[:], self._positions[:], self._slots[:] = tokens, positions, slots
         counts_ = np.array(counts)
         self._last_row[:] = counts_ - 1
@@ -216,9 +214,7 @@ class ChainInputs:
             features.zero_()
             for row, num, given_features in given:
                 features[row:row + num] = given_features
-        self.sent.copy_(self.staged, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._twin.send()
 
 
 @dataclass

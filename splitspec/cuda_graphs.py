@@ -76,6 +76,7 @@ from splitspec.attention.prompts import (
 from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.model.llama import LlamaForCausalLM
+from splitspec.staging import HostTwin
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096)  # padded prompt tokens of a graph
@@ -113,9 +114,7 @@ class _Graph:
                                  # ids, positions, write slots, each prompt row's first row
                                  # (prompt rows only), and the rows whose logits are taken
                                  # (the prompts' MAX_PROMPT_LOGITS, then every step row's)
-    staging: Any                 # numpy view of a pinned [5, W] host twin of inputs
-    staged: torch.Tensor         # the pinned twin itself
-    copied: torch.cuda.Event     # recorded after the last copy out of staging
+    staged: HostTwin             # inputs' pinned twin, refilled before each replay
     trees: torch.Tensor | None   # [b, q, q] static input of a verify graph
     logits: torch.Tensor         # [P + b * q, V] static outputs, in the shared buffer (P:
                                  # MAX_PROMPT_LOGITS with prompts, else 0)
@@ -124,9 +123,8 @@ class _Graph:
     # graph's pool (its table, a verify graph's TablePrefix): kept alive as long as the
     # graph, or the allocator hands that memory to other tensors while every replay still
     # reads it (the kernels' scratch is StepGraphs.scratch, held by the StepGraphs)
-    table: torch.Tensor | None = None  # a decode graph's [b, 1 + P] int32 (decode_table.py)
-    table_staged: torch.Tensor | None = None  # its pinned host twin
-    table_staging: Any = None          # numpy view of the twin
+    table: HostTwin | None = None  # a decode graph's [b, 1 + P] int32 table's twin
+    # (decode_table.py), sent before the inputs, whose send's event covers both
 
 
 class StepGraphs:
@@ -232,8 +230,8 @@ class StepGraphs:
                 g.trees.copy_(torch.stack([seq.tree for seq in padded]), non_blocking=True)
         wanted = [row for row in logit_rows if row < tokens] if tokens else []
         ids_np, positions_np = ids.cpu().numpy(), positions.cpu().numpy()
-        g.copied.synchronize()  # the last replay's inputs have left the pinned buffers
-        staging = g.staging
+        g.staged.wait()  # the last replay's inputs (and table) have left the pinned twins
+        staging = g.staged.array
         if key.tokens:  # padding rows: token 0 at position 0, one-row prompts on a scratch slot
             end = key.tokens
             staging[0, :tokens], staging[1, :tokens] = ids_np[:tokens], positions_np[:tokens]
@@ -249,13 +247,12 @@ class StepGraphs:
             staging[1, start:start + step_rows] = positions_np[tokens:]
             staging[:2, start + step_rows:end] = 0
             if key.q_len == 1:  # the lengths and pages, read by the kernel on the device
-                fill_decode_table(padded, self.shape.page_size, g.table_staging,
+                fill_decode_table(padded, self.shape.page_size, g.table.array,
                                   staging[2, start:end])
-                g.table.copy_(g.table_staged, non_blocking=True)
+                g.table.send(record=False)
             else:
                 staging[2, start:end] = new_token_slots(padded)
-        g.inputs.copy_(g.staged, non_blocking=True)
-        g.copied.record()
+        g.staged.send()
         g.graph.replay()
         first = MAX_PROMPT_LOGITS if key.tokens else 0  # the step rows' first logit row
         logits = torch.cat((g.logits[:len(wanted)], g.logits[first:first + step_rows]))
@@ -289,7 +286,7 @@ class StepGraphs:
         ids, positions, write_slots, starts = inputs[:4, :rows].unbind()
         logit_rows = inputs[4, :first + step_rows]
         parts: list[tuple[AttentionBackend, AttentionMetadata]] = []
-        wrapper = trees = table = table_staged = None
+        wrapper = trees = table = None
         if tokens:  # one-row prompts on the scratch slot until replayed
             write_slots[:tokens].fill_(self.scratch_pages[0] * self.shape.page_size)
             starts[:tokens].copy_(torch.arange(tokens))
@@ -301,8 +298,7 @@ class StepGraphs:
             logit_rows[first:].copy_(torch.arange(tokens, rows))
             if q_len == 1:
                 parts.append((DecodeTableAttention(), self._decode_table(padded, slots)))
-                table = parts[-1][1].table
-                table_staged = torch.zeros(table.shape, dtype=torch.int32, pin_memory=True)
+                table = HostTwin(parts[-1][1].table)
             else:
                 wrapper = self._prefix(size, q_len)
                 wrapper.plan([seq.table for seq in padded],
@@ -313,8 +309,8 @@ class StepGraphs:
         backend, meta = parts[0] if len(parts) == 1 else (
             SplitAttention(), SplitMetadata(write_slots, tokens, parts[0], parts[1]))
         ctx = AttentionContext(backend, meta, self.cache)
-        staged = torch.zeros(5, width, dtype=torch.int64, pin_memory=True)
-        staged.copy_(inputs)  # the static parts (the step rows' logit rows) go in every copy
+        staged = HostTwin(inputs)
+        staged.host.copy_(inputs)  # the static parts (the step rows' logit rows) go in every copy
         logits = self.logits_out[:first + step_rows]
 
         def forward() -> torch.Tensor | None:
@@ -324,11 +320,7 @@ class StepGraphs:
             return out.aux
 
         graph, aux = self._record(forward)
-        copied = torch.cuda.Event()
-        copied.record()
-        return _Graph(graph, wrapper, inputs, staged.numpy(), staged, copied, trees, logits, aux,
-                      ctx, table, table_staged,
-                      None if table_staged is None else table_staged.numpy())
+        return _Graph(graph, wrapper, inputs, staged, trees, logits, aux, ctx, table)
 
     def _decode_table(self, padding: list[SeqAttention], slots: torch.Tensor
                       ) -> DecodeTableMetadata:

@@ -28,6 +28,7 @@ from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAtt
 from splitspec.attention.cascade import LN2, PrefixAttention, TorchPrefix
 from splitspec.attention.flashinfer_backend import AttentionShape, FlashInferBackend
 from splitspec.kv_cache import KVCache, PageTable
+from splitspec.staging import HostTwin
 
 
 @dataclass
@@ -144,14 +145,11 @@ class TablePrefix(PrefixAttention):
                  rows: int = 0, max_pages: int = 0, scratch: torch.Tensor | None = None
                  ) -> None:
         self.shape, self.device = shape, torch.device(device)
-        cuda = self.device.type == "cuda"
         self._fixed = seqs > 0
-        self._staged = self._staging = self._copied = None
+        self._twin: HostTwin | None = None
         if self._fixed:
             self.table = torch.zeros(seqs, 1 + max_pages, dtype=torch.int32, device=device)
-            self._staged = torch.zeros(self.table.shape, dtype=torch.int32, pin_memory=cuda)
-            self._staging = self._staged.numpy()
-            self._copied = torch.cuda.Event() if cuda else None
+            self._twin = HostTwin(self.table)
             self._size(seqs, rows, scratch)
 
     def _size(self, seqs: int, rows: int, scratch: torch.Tensor | None = None) -> None:
@@ -175,12 +173,9 @@ class TablePrefix(PrefixAttention):
         if len(tables) != self.table.shape[0] or rows_per_seq != self.rows:
             raise ValueError(f"a table prefix of {self.table.shape[0]} sequences of "
                              f"{self.rows} rows, planned for {len(tables)} of {rows_per_seq}")
-        if self._copied is not None:
-            self._copied.synchronize()  # the last plan's copy has left the pinned staging
-        fill_table(tables, lengths, page, self._staging)
-        self.table.copy_(self._staged, non_blocking=True)
-        if self._copied is not None:
-            self._copied.record()
+        self._twin.wait()
+        fill_table(tables, lengths, page, self._twin.array)
+        self._twin.send()
 
     def attend(self, layer: int, q: torch.Tensor, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
         from splitspec.kernels.paged_decode import paged_prefix_attention
