@@ -314,3 +314,26 @@ def run_table_prefix(device: str) -> None:
         for (out, lse), what in zip(tried, ("a graph's", "eager"), strict=True):
             close(out, out_ref, f"TablePrefix ({what}) lengths {lengths}")
             close(lse, lse_ref, f"TablePrefix ({what}) lengths {lengths}: log-sum-exp")
+
+
+def run_gemv(device: str) -> None:
+    """splitspec.kernels.gemv against torch's linear: rows of W not a multiple of the block,
+    columns a multiple of the loop's step or not, a W whose rows are not K apart, a [K] row
+    and a [1, K] one."""
+    from splitspec.kernels.gemv import GemvConfig, gemv
+
+    gen = torch.Generator().manual_seed(5)
+    cases = [(torch.float32, 37, 96, GemvConfig(8, 32, 4)),   # K a multiple of the step
+             (torch.float32, 40, 100, GemvConfig(16, 32, 4)),  # K not: a masked last step
+             (torch.bfloat16, 29, 200, GemvConfig(4, 64, 2)),
+             (torch.float16, 64, 48, GemvConfig(8, 128, 4))]   # one step wider than K
+    for dtype, n, k, config in cases:
+        wide = (torch.randn(n + 7, k + 9, generator=gen) / k ** 0.5).to(dtype).to(device)
+        w = wide[3:3 + n, 2:2 + k]  # part of a larger weight: its rows K + 9 apart
+        x = torch.randn(1, k, generator=gen).to(dtype).to(device)
+        want = (x.float() @ w.float().T).to(dtype)  # float32 sums, one rounding
+        got = gemv(x, w, config)
+        assert got.shape == (1, n) and got.dtype == dtype
+        close(got, want, f"gemv {dtype} N={n} K={k} {config}", scale=want.abs() + 1e-2)
+        flat = gemv(x.reshape(k), w, config)
+        assert flat.shape == (n,) and torch.equal(flat, got.reshape(n))

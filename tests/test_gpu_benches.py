@@ -4,6 +4,7 @@ so that scarce GPU time is not lost to a script's bug."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,20 @@ def test_tp_comm_bench_runs_on_cpu(tmp_path):
     assert result["all_reduces_per_step"] == 6 and "graph_step_ms" not in result
     assert result["eager_step_ms"] > 0
     assert all(result[f"{way}_call_ms_batch{b}"] > 0 for way in ("pickled", "packed") for b in (1, 32))
+
+
+def test_gemv_bench_runs_on_cpu(tmp_path):
+    """bench_gemv shrunk, the kernel in Triton's interpreter: torch and one config per shape,
+    each agreeing with torch's output to bf16 rounding."""
+    pytest.importorskip("triton")
+    out = tmp_path / "gemv.json"
+    subprocess.run([sys.executable, "bench/bench_gemv.py", "--device", "cpu", "--shrink", "64",
+                    "--shapes", "o_proj,down", "--block-n", "8", "--block-k", "32", "--warps",
+                    "4", "--repeats", "1", "--out-json", str(out)], cwd=REPO, check=True,
+                   timeout=300, capture_output=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["shape"], r["variant"]) for r in rows] == [
+        ("o_proj", "torch"), ("o_proj", "triton n8 k32 w4"),
+        ("down", "torch"), ("down", "triton n8 k32 w4")]
+    assert [(r["n"], r["k"]) for r in rows[::2]] == [(64, 64), (64, 224)]
+    assert all(r["us_per_call"] > 0 and r["max_diff_steps"] <= 2 for r in rows)

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
-                                   "run_paged_decode"])
+                                   "run_paged_decode", "run_gemv"])
 def test_kernels_match_torch_in_the_interpreter(cases):
     """run: KV compaction; run_fused: norms, rotary, SiLU-and-multiply, the KV store;
     run_tree: the draft's tree-node attention and merge; run_prompts: packed prompts' causal
@@ -35,7 +35,7 @@ def test_kernels_match_torch_in_the_interpreter(cases):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
-                                   "run_paged_decode"])
+                                   "run_paged_decode", "run_gemv"])
 def test_kernels_match_torch_on_the_gpu(cases):
     import tests.kernel_cases
 
@@ -64,3 +64,17 @@ def test_paged_decode_refuses_inconsistent_inputs():
         paged_decode_attention(q, cache, table[:1], 4)  # a row per sequence
     with pytest.raises(ValueError, match="scratch"):  # scratch for 2 splits, 4 asked
         paged_decode_attention(q, cache, table, 4, torch.zeros(2, 4, 2, 32), torch.zeros(2, 4, 2))
+
+
+def test_gemv_refuses_what_it_cannot_multiply():
+    from splitspec.kernels.gemv import GemvConfig, gemv
+
+    w = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="one row of 16"):
+        gemv(torch.zeros(2, 16), w)  # two rows
+    with pytest.raises(ValueError, match="in w's dtype"):
+        gemv(torch.zeros(1, 16, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="columns contiguous"):
+        gemv(torch.zeros(1, 8), w.T)
+    with pytest.raises(ValueError, match="powers of two"):
+        gemv(torch.zeros(1, 16), w, GemvConfig(block_n=6))
