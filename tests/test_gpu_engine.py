@@ -344,9 +344,9 @@ def test_speculation_agrees_with_plain_decoding_in_bf16(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_kernels_match_the_torch_layers(dtype):
-    """The built-in target with its norms, rotary, activation and KV store as Triton kernels
-    (the default on CUDA) against the same weights through the torch forms: a prompt, then a
-    tree over it."""
+    """The built-in target with its norms, rotary, activation, KV store and one-row
+    projections as Triton kernels (the default on CUDA) against the same weights through the
+    torch forms: a prompt, a tree over it, then one decode row (the GEMV's)."""
     from splitspec.model.layers import use_fused_kernels
 
     model = load_llama(BUILTIN_TARGET, dtype, "cuda")
@@ -367,7 +367,8 @@ def test_fused_kernels_match_the_torch_layers(dtype):
             for ids, pos, attn in (
                     (prompt, torch.arange(40), SeqAttention(table, 40, 40)),
                     (tree_ids, positions(parents, 40), SeqAttention(table, 46, 6,
-                                                                    verify_mask(parents, 40)))):
+                                                                    verify_mask(parents, 40))),
+                    (tree_ids[:1], torch.tensor([46]), SeqAttention(table, 47, 1))):
                 ctx = AttentionContext(backend, backend.plan([attn], "cuda"), cache)
                 out = model(ids.cuda(), pos.cuda(), ctx)
                 logits.append(model.compute_logits(out.hidden))

@@ -11,7 +11,8 @@ arithmetic); each of these takes one:
 - :func:`rope` (queries out of place into a contiguous tensor, keys in place;
   cos/sin computed from the positions and the model's inverse frequencies);
 - :func:`silu_mul` over the fused gate/up projection;
-- :func:`store_kv`: K and V of every token into its cache slot.
+- :func:`store_kv`: K and V of every token into its cache slot;
+- :func:`linear`, the projections, one row at a time through splitspec/kernels/gemv.py.
 
 Each rounds where the torch form (Hugging Face's) rounds, so in bf16 they agree
 with it to the last bit or one rounding step; the torch forms in
@@ -23,6 +24,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from splitspec.kernels.gemv import linear
+
+__all__ = ["add_rms_norm", "linear", "rms_norm", "rope", "silu_mul", "store_kv"]
 
 
 @triton.jit

@@ -90,8 +90,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def linear_of(kernels: ModuleType | None):
+    """The projection x W^T: ``kernels.linear`` (one row through the GEMV kernel) when the
+    Triton kernels are on, else torch's."""
+    return nn.functional.linear if kernels is None else kernels.linear
+
+
 class LlamaAttention(nn.Module):
     """Self-attention over this rank's heads (all of them without tensor parallelism)."""
+
+    kernels: ModuleType | None = None  # set by use_fused_kernels (the projections)
 
     def __init__(self, cfg: LlamaConfig, in_features: int | None = None,
                  tp: TPGroup = SINGLE) -> None:
@@ -116,9 +124,10 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int,
                 ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
+        linear = linear_of(self.kernels)
         if self.qkv is not None:
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = nn.functional.linear(x, self.qkv).split([q_width, kv_width, kv_width], -1)
+            q, k, v = linear(x, self.qkv).split([q_width, kv_width, kv_width], -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -126,11 +135,13 @@ class LlamaAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(q, k, positions)
         out = ctx.backend.forward(ctx.layer_offset + layer, q, k, v, ctx.meta, ctx.cache)
-        return self.tp.all_reduce(self.o_proj(out.reshape(t, self.num_heads * self.head_dim)))
+        return self.tp.all_reduce(linear(out.reshape(t, self.num_heads * self.head_dim),
+                                         self.o_proj.weight))
 
 
 class LlamaMLP(nn.Module):
-    kernels: ModuleType | None = None  # set by use_fused_kernels (SiLU-and-multiply)
+    kernels: ModuleType | None = None  # set by use_fused_kernels (SiLU-and-multiply, the
+    # projections)
 
     def __init__(self, cfg: LlamaConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -146,16 +157,17 @@ class LlamaMLP(nn.Module):
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear = linear_of(self.kernels)
         if self.gate_up is None:
             act = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
         else:
-            gate_up = nn.functional.linear(x, self.gate_up)
+            gate_up = linear(x, self.gate_up)
             if self.kernels is not None:
                 act = self.kernels.silu_mul(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = nn.functional.silu(gate) * up
-        return self.tp.all_reduce(self.down_proj(act))
+        return self.tp.all_reduce(linear(act, self.down_proj.weight))
 
 
 def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
@@ -172,13 +184,14 @@ def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
 
 
 def use_fused_kernels(module: nn.Module, on: bool = True) -> None:
-    """Route every norm, rotary embedding and MLP activation of module through the Triton
-    kernels of splitspec.kernels.fused_ops (CUDA, needs triton), or back to torch."""
+    """Route every norm, rotary embedding, MLP activation and projection of module through
+    the Triton kernels of splitspec.kernels.fused_ops (CUDA, needs triton), or back to torch:
+    every submodule whose class declares ``kernels``."""
     kernels = None
     if on:
         from splitspec.kernels import fused_ops as kernels
     for sub in module.modules():
-        if isinstance(sub, (RMSNorm, Rotary, LlamaMLP)):
+        if hasattr(type(sub), "kernels"):
             sub.kernels = kernels
 
 

@@ -3,13 +3,14 @@ optionally one rank's shard of it (splitspec.model.parallel)."""
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from splitspec.model.config import LlamaConfig
-from splitspec.model.layers import AttentionContext, LlamaDecoderLayer, RMSNorm
+from splitspec.model.layers import AttentionContext, LlamaDecoderLayer, RMSNorm, linear_of
 from splitspec.model.parallel import SINGLE, TPGroup, VocabParallelEmbedding, layout
 
 
@@ -29,6 +30,8 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """Parameter names match Hugging Face's LlamaForCausalLM, so checkpoints load as they are."""
+
+    kernels: ModuleType | None = None  # set by use_fused_kernels (lm_head's projection)
 
     def __init__(self, cfg: LlamaConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -64,7 +67,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] in float32 for normed hidden states [N, H] (on every rank)."""
-        logits = self.lm_head(hidden).float()
+        logits = linear_of(self.kernels)(hidden, self.lm_head.weight).float()
         if self.tp.size == 1:
             return logits
         width = layout(self.config, self.tp).vocab_shard
