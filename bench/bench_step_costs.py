@@ -186,7 +186,7 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
               "floor_ms": 1000 * params * torch.empty((), dtype=dtype).element_size()
               / (BANDWIDTH_TB_S * 1e12)}
     # With graphs, the eager calls too (suffix _eager); with --torch-ops-too, graphs of the
-    # model with torch's norms/rotary/activation instead of the Triton kernels.
+    # model with torch's norms/rotary/activation/projections instead of the Triton kernels.
     engines = [("", graphs), ("_eager", None)] if graphs is not None else [("", None)]
     if args.torch_ops_too and graphs is not None:
         engines.append(("_torch_ops", None))
@@ -305,7 +305,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out-json", type=Path)
     parser.add_argument("--torch-ops-too", action="store_true", help="also time the target "
-                        "with torch's norms/rotary/activation (graphs recaptured)")
+                        "with torch's norms/rotary/activation/projections (graphs recaptured)")
     parser.add_argument("--profile", type=Path, help="write torch.profiler tables of each call "
                         "here (5 calls each, after the timing); the profiler slows what is timed after it "
                         "(on the H200 the 8B decode graph replayed alone took 5.20 instead of 4.75 "
