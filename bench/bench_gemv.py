@@ -123,6 +123,13 @@ def measure(name: str, configs: list[GemvConfig], repeats: int, device: str, shr
     return rows
 
 
+def best_of(rows: list[dict], name: str) -> tuple[dict, dict]:
+    """One shape's torch row and its fastest Triton row."""
+    mine = [r for r in rows if r["shape"] == name]
+    return (next(r for r in mine if r["variant"] == "torch"),
+            min((r for r in mine if r["config"]), key=lambda r: r["us_per_call"]))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=",".join(SHAPES), help="of " + ",".join(SHAPES))
@@ -152,13 +159,18 @@ def main() -> int:
             if args.device == "cuda":
                 torch.cuda.empty_cache()  # this shape's weights
     print("\nbest per shape:")
-    for name in shapes:
-        mine = [r for r in rows if r["shape"] == name]
-        torch_row = next(r for r in mine if r["variant"] == "torch")
-        best = min((r for r in mine if r["config"]), key=lambda r: r["us_per_call"])
-        print(f"{name:8s} torch {torch_row['us_per_call']:7.2f} us ({torch_row['share_of_bandwidth']:.3f}), "
-              f"best {best['variant']} {best['us_per_call']:7.2f} us "
-              f"({best['share_of_bandwidth']:.3f}): {torch_row['us_per_call'] / best['us_per_call']:.3f}x")
+    best = {name: best_of(rows, name) for name in shapes}
+    for name, (torch_row, row) in best.items():
+        print(f"{name:8s} torch {torch_row['us_per_call']:7.2f} us "
+              f"({torch_row['share_of_bandwidth']:.3f}), best {row['variant']} "
+              f"{row['us_per_call']:7.2f} us ({row['share_of_bandwidth']:.3f}): "
+              f"{torch_row['us_per_call'] / row['us_per_call']:.3f}x")
+    print("\nsplitspec/kernels/gemv.py CONFIGS, the best config of each shape that beat torch:")
+    for name, (torch_row, row) in best.items():
+        if row["us_per_call"] < torch_row["us_per_call"]:
+            c = row["config"]
+            print(f"    ({row['n']}, {row['k']}): GemvConfig({c['block_n']}, {c['block_k']}, "
+                  f"{c['num_warps']}),  # {name}")
     if args.out_json:
         args.out_json.write_text(json.dumps({"command": " ".join(sys.argv),
                                              "device": torch.cuda.get_device_name()
