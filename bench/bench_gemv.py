@@ -165,12 +165,12 @@ def main() -> int:
               f"({torch_row['share_of_bandwidth']:.3f}), best {row['variant']} "
               f"{row['us_per_call']:7.2f} us ({row['share_of_bandwidth']:.3f}): "
               f"{torch_row['us_per_call'] / row['us_per_call']:.3f}x")
-    print("\nsplitspec/kernels/gemv.py CONFIGS, the best config of each shape that beat torch:")
+    print("\nsplitspec/kernels/gemv.py CONFIGS: each shape's best config, None where torch won:")
     for name, (torch_row, row) in best.items():
-        if row["us_per_call"] < torch_row["us_per_call"]:
-            c = row["config"]
-            print(f"    ({row['n']}, {row['k']}): GemvConfig({c['block_n']}, {c['block_k']}, "
-                  f"{c['num_warps']}),  # {name}")
+        c = row["config"]
+        config = (f"GemvConfig({c['block_n']}, {c['block_k']}, {c['num_warps']})"
+                  if row["us_per_call"] < torch_row["us_per_call"] else "None")
+        print(f"    ({row['n']}, {row['k']}): {config},  # {name}")
     if args.out_json:
         args.out_json.write_text(json.dumps({"command": " ".join(sys.argv),
                                              "device": torch.cuda.get_device_name()

@@ -78,3 +78,18 @@ def test_gemv_refuses_what_it_cannot_multiply():
         gemv(torch.zeros(1, 8), w.T)
     with pytest.raises(ValueError, match="powers of two"):
         gemv(torch.zeros(1, 16), w, GemvConfig(block_n=6))
+
+
+def test_gemv_linear_routes_by_rows_and_configs(monkeypatch):
+    """linear: one row to gemv with W's shape's config (DEFAULT if unlisted); a shape listed as
+    None (cuBLAS faster) and more rows to torch."""
+    from splitspec.kernels import gemv as module
+
+    seen = []
+    monkeypatch.setattr(module, "gemv", lambda x, w, config: seen.append(config) or x @ w.T)
+    monkeypatch.setattr(module, "CONFIGS", {(8, 16): module.GemvConfig(16, 64, 8), (4, 16): None})
+    x = torch.randn(1, 16)
+    for w in (torch.randn(8, 16), torch.randn(4, 16), torch.randn(2, 16)):
+        torch.testing.assert_close(module.linear(x, w), x @ w.T)
+    assert module.linear(torch.randn(3, 16), torch.randn(8, 16)).shape == (3, 8)
+    assert seen == [module.GemvConfig(16, 64, 8), module.DEFAULT]

@@ -27,7 +27,9 @@ class GemvConfig(NamedTuple):
 
 
 DEFAULT = GemvConfig()
-CONFIGS: dict[tuple[int, int], GemvConfig] = {}  # W's (N, K) -> its config (bench_gemv.py)
+# W's (N, K) -> its config, or None where cuBLAS was faster (bench/bench_gemv.py prints these
+# lines); a shape not listed takes DEFAULT.
+CONFIGS: dict[tuple[int, int], GemvConfig | None] = {}
 
 
 @triton.jit
@@ -69,7 +71,10 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT) -> torc
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``torch.nn.functional.linear(x, w)`` (no bias): one row of x through :func:`gemv`
-    (with W's config from CONFIGS), more rows through torch."""
+    (with W's config from CONFIGS), more rows, and W's shapes where cuBLAS was faster, through
+    torch."""
     if x.numel() == w.shape[1] and x.dtype == w.dtype and w.stride(1) == 1:
-        return gemv(x, w, CONFIGS.get((w.shape[0], w.shape[1]), DEFAULT))
+        config = CONFIGS.get((w.shape[0], w.shape[1]), DEFAULT)
+        if config is not None:
+            return gemv(x, w, config)
     return torch.nn.functional.linear(x, w)
