@@ -29,7 +29,13 @@ class GemvConfig(NamedTuple):
 DEFAULT = GemvConfig()
 # W's (N, K) -> its config, or None where cuBLAS was faster (bench/bench_gemv.py prints these
 # lines); a shape not listed takes DEFAULT.
-CONFIGS: dict[tuple[int, int], GemvConfig | None] = {}
+CONFIGS: dict[tuple[int, int], GemvConfig | None] = {  # H200, Llama-3-8B's shapes, session 20
+    (6144, 4096): GemvConfig(8, 512, 4),  # qkv
+    (4096, 4096): GemvConfig(4, 512, 8),  # o_proj
+    (28672, 4096): GemvConfig(16, 256, 4),  # gate_up
+    (4096, 14336): GemvConfig(4, 512, 4),  # down
+    (128256, 4096): GemvConfig(4, 1024, 8),  # lm_head
+}
 
 
 @triton.jit
