@@ -28,6 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_decode_attention import parse_ints as ints
+from bench_decode_attention import time_graph
 
 from splitspec.kernels.gemv import GemvConfig, gemv
 
@@ -43,10 +45,6 @@ SHAPES = {  # name: (N, K, copies)
 QUEUED = 10  # replays a timing
 
 
-def ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
-
-
 def graph_of(calls: Callable[[], None]) -> torch.cuda.CUDAGraph:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -57,22 +55,6 @@ def graph_of(calls: Callable[[], None]) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         calls()
     return graph
-
-
-def time_graph(graph: torch.cuda.CUDAGraph, repeats: int) -> list[float]:
-    """ms per replay, each timing QUEUED replays back to back."""
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(QUEUED):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / QUEUED)
-    return times
 
 
 def time_eager(calls: Callable[[], None], repeats: int) -> list[float]:
@@ -108,7 +90,7 @@ def measure(name: str, configs: list[GemvConfig], repeats: int, device: str, shr
                 one(w)
 
         if device == "cuda":
-            ms = statistics.median(time_graph(graph_of(calls), repeats)) / copies
+            ms = time_graph(graph_of(calls), QUEUED, repeats) / copies
         else:
             calls()  # compiles (or interprets) once before the timings
             ms = statistics.median(time_eager(calls, repeats)) / copies
