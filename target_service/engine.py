@@ -188,17 +188,16 @@ class Engine:
     def open_stream(self) -> tuple[int, queue.Queue]:
         with self._lock:
             stream_id = next(self._stream_ids)
-            self._streams[stream_id] = _Stream(queue.Queue())
-            return stream_id, self._streams[stream_id].outbox
+            stream = self._streams[stream_id] = _Stream(queue.Queue())
+            if self.failure:  # the engine has stopped: nobody would ever answer this stream
+                stream.outbox.put(None)
+            return stream_id, stream.outbox
 
     def abort(self, message: str) -> None:
         """Thread-safe: the engine cannot go on (a rank died). Every stream ends now and its
         gRPC call fails with UNAVAILABLE and ``message``; the step loop is left alone (it
         may be blocked in a collective with the dead rank)."""
-        with self._lock:
-            self.failure = message
-            for stream in self._streams.values():
-                stream.outbox.put(None)
+        self._end_streams(message)
 
     def submit(self, stream_id: int, request: target_pb2.ServeRequest) -> None:
         self._inbox.put((stream_id, request))
@@ -277,8 +276,7 @@ class Engine:
             self.runner.stop()
         except Exception as exc:  # the engine is broken: fail requests, report, let main exit
             log.exception("engine step failed; failing all requests")
-            self.failure = f"target engine failed: {type(exc).__name__}: {exc}"
-            self._fail_all(self.failure)
+            self._fail_all(f"target engine failed: {type(exc).__name__}: {exc}")
             on_crash(exc)
 
     def _drain_inbox(self, block: bool) -> None:
@@ -366,8 +364,15 @@ class Engine:
         for seq in list(self._by_request.values()):
             self._emit(seq, [], common_pb2.FINISH_REASON_ERROR, message)
         self._flush()
-        for stream in self._streams.values():
-            stream.outbox.put(None)
+        self._end_streams(message)
+
+    def _end_streams(self, message: str) -> None:
+        """The engine cannot serve any more: every stream ends, and one opened later ends at
+        once (under the lock that open_stream takes, so no stream is missed)."""
+        with self._lock:
+            self.failure = message
+            for stream in self._streams.values():
+                stream.outbox.put(None)
 
     # ---- one step ---------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ step before)."""
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
 import types
@@ -93,22 +94,41 @@ class FailingRunner(NullRunner):
         return super().forward(batch)
 
 
-def test_a_failed_step_ends_every_request_with_the_cause():
-    crashes = []
+def _failing_engine() -> tuple[Engine, queue.Queue]:
+    """An engine whose second step fails, with a gateway stream's request waiting in it."""
     engine = Engine(FailingRunner(), Scheduler(PagePool(8), 4, 8),
                     EngineLimits(8, 64, 64, 8, common_pb2.DraftShape(), frozenset()), None, ())
     other, outbox = engine.open_stream()
     engine.submit(other, target_pb2.ServeRequest(admit=target_pb2.Admit(
         request_id=7, prompt_ids=[2, 7], max_new_tokens=5,
         speculation=common_pb2.SPECULATION_MODE_OFF)))
+    return engine, outbox
+
+
+def _generate_error(engine: Engine) -> str:
+    with pytest.raises(RuntimeError) as failed:
+        engine.generate([3, 1, 4], 4, common_pb2.SPECULATION_MODE_OFF, timeout_s=10)
+    return str(failed.value)
+
+
+def test_a_failed_step_ends_every_request_with_the_cause():
+    crashes = []
+    engine, outbox = _failing_engine()
+    # warmup's and the tests' in-process generation, in flight when the step fails: it gets
+    # the engine's failure, not a stray error (its request queued before the loop starts)
+    errors = []
+    generating = threading.Thread(target=lambda: errors.append(_generate_error(engine)))
+    generating.start()
+    deadline = time.monotonic() + 5
+    while engine._inbox.qsize() < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
     thread = threading.Thread(target=engine.run, args=(threading.Event(), crashes.append),
                               daemon=True)
     thread.start()
-    # warmup's and the tests' in-process generation: the engine's failure, not a stray error
-    with pytest.raises(RuntimeError, match="target engine failed: MemoryError: out of device "
-                                           "memory in step 2"):
-        engine.generate([3, 1, 4], 4, common_pb2.SPECULATION_MODE_OFF, timeout_s=10)
+    generating.join(15)
     thread.join(5)
+    assert errors == ["generation failed: target engine failed: MemoryError: out of device "
+                      "memory in step 2"]
     assert [type(e) for e in crashes] == [MemoryError]
     # a gateway stream gets its request's error delta before the stream ends: nothing lost
     events = []
@@ -118,6 +138,19 @@ def test_a_failed_step_ends_every_request_with_the_cause():
     assert [(d.request_id, d.finish_reason) for d in finished] == [
         (7, common_pb2.FINISH_REASON_ERROR)]
     assert "MemoryError: out of device memory in step 2" in finished[0].error
+
+
+def test_a_stream_opened_after_the_engine_failed_ends_at_once_with_the_cause():
+    crashes = []
+    engine, _ = _failing_engine()
+    thread = threading.Thread(target=engine.run, args=(threading.Event(), crashes.append),
+                              daemon=True)
+    thread.start()
+    thread.join(5)
+    assert [type(e) for e in crashes] == [MemoryError]
+    # before, nobody was left to answer it: generate waited out its timeout (queue.Empty)
+    assert _generate_error(engine) == ("generation failed: target engine failed: MemoryError: "
+                                       "out of device memory in step 2")
 
 
 class SlowRunner(NullRunner):
