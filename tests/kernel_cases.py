@@ -337,3 +337,49 @@ def run_gemv(device: str) -> None:
         close(got, want, f"gemv {dtype} N={n} K={k} {config}", scale=want.abs() + 1e-2)
         flat = gemv(x.reshape(k), w, config)
         assert flat.shape == (n,) and torch.equal(flat, got.reshape(n))
+
+
+def run_few_rows(device: str) -> None:
+    """splitspec.kernels.gemv.few_rows against torch's linear: 2 to 64 rows (padded to 16, 32,
+    64), rows of x and of W strided, N not a multiple of the block, K a multiple of the loop's
+    step or not, a step wider than K; and linear's routing of them through ROW_CONFIGS."""
+    from splitspec.kernels import gemv as module
+    from splitspec.kernels.gemv import GemvConfig, few_rows
+
+    gen = torch.Generator().manual_seed(6)
+    cases = [(torch.float32, 5, 37, 96, GemvConfig(16, 32, 4)),     # K a multiple of the step
+             (torch.float32, 16, 40, 100, GemvConfig(16, 32, 4)),   # K not: a masked last step
+             (torch.bfloat16, 40, 29, 200, GemvConfig(16, 64, 4)),  # 64 rows computed, 40 kept
+             (torch.float16, 2, 64, 48, GemvConfig(32, 64, 4, 2))]  # one step wider than K
+    for dtype, m, n, k, config in cases:
+        wide = (torch.randn(n + 7, k + 9, generator=gen) / k ** 0.5).to(dtype).to(device)
+        w = wide[3:3 + n, 2:2 + k]  # part of a larger weight: its rows K + 9 apart
+        xs = torch.randn(m, k + 5, generator=gen).to(dtype).to(device)
+        x = xs[:, 5:]  # rows K + 5 apart
+        want = (x.float() @ w.float().T).to(dtype)  # float32 sums, one rounding
+        got = few_rows(x, w, config)
+        assert got.shape == (m, n) and got.dtype == dtype
+        close(got, want, f"few_rows {dtype} M={m} N={n} K={k} {config}",
+              scale=want.abs() + 1e-2)
+        # linear: the rows of a [.., K] x through few_rows where ROW_CONFIGS lists the shape
+        pad = module.padded_rows(m)
+        saved = dict(module.ROW_CONFIGS)
+        module.ROW_CONFIGS[(pad, n, k)] = config
+        try:
+            routed = module.linear(x.reshape(1, m, k), w)
+        finally:
+            module.ROW_CONFIGS.clear()
+            module.ROW_CONFIGS.update(saved)
+        assert routed.shape == (1, m, n) and torch.equal(routed[0], got)
+
+
+class EveryShape(dict):
+    """A CONFIGS / ROW_CONFIGS stand-in that lists every shape: all projections take the
+    kernels (the shapes the real tables list are measured ones, none of a tiny model's)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+
+    def get(self, key, default=None):
+        return self.config

@@ -343,11 +343,20 @@ def test_speculation_agrees_with_plain_decoding_in_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_kernels_match_the_torch_layers(dtype):
-    """The built-in target with its norms, rotary, activation, KV store and one-row
-    projections as Triton kernels (the default on CUDA) against the same weights through the
-    torch forms: a prompt, a tree over it, then one decode row (the GEMV's)."""
+def test_fused_kernels_match_the_torch_layers(dtype, monkeypatch):
+    """The built-in target with its norms, rotary, activation, KV store and projections as
+    Triton kernels (the default on CUDA) against the same weights through the torch forms: a
+    prompt (40 rows) and a tree over it (6), every shape through few_rows (as if ROW_CONFIGS
+    listed it), then one decode row (the GEMV's)."""
+    from splitspec.kernels import gemv
     from splitspec.model.layers import use_fused_kernels
+    from tests.kernel_cases import EveryShape
+
+    rows_seen = set()
+    few_rows = gemv.few_rows
+    monkeypatch.setattr(gemv, "ROW_CONFIGS", EveryShape(gemv.GemvConfig(32, 64, 4)))
+    monkeypatch.setattr(gemv, "few_rows", lambda x, w, config: rows_seen.add(x.shape[0])
+                        or few_rows(x, w, config))
 
     model = load_llama(BUILTIN_TARGET, dtype, "cuda")
     assert model.model.norm.kernels is not None  # on by default on CUDA
@@ -379,6 +388,7 @@ def test_fused_kernels_match_the_torch_layers(dtype):
     print(f"{dtype}: max error {error:.2e} of the largest logit, argmax agreement {agree:.3f}")
     assert error < (1e-4 if dtype == torch.float32 else 3e-2), error
     assert agree >= (1.0 if dtype == torch.float32 else 0.9), agree
+    assert rows_seen == {40, 6}
 
 
 def test_table_prefix_matches_torch_prefix():

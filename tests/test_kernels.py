@@ -21,12 +21,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
-                                   "run_paged_decode", "run_gemv"])
+                                   "run_paged_decode", "run_gemv", "run_few_rows"])
 def test_kernels_match_torch_in_the_interpreter(cases):
     """run: KV compaction; run_fused: norms, rotary, SiLU-and-multiply, the KV store;
     run_tree: the draft's tree-node attention and merge; run_prompts: packed prompts' causal
     attention; run_paged_decode: decode attention over the paged cache, split and merged, one
-    row or several a sequence (the verify and drafting prefix, TablePrefix)."""
+    row or several a sequence (the verify and drafting prefix, TablePrefix); run_gemv and
+    run_few_rows: a projection of one row and of a few."""
     code = f"from tests.kernel_cases import {cases}; {cases}('cpu'); print('ok')"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -35,7 +36,7 @@ def test_kernels_match_torch_in_the_interpreter(cases):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
-                                   "run_paged_decode", "run_gemv"])
+                                   "run_paged_decode", "run_gemv", "run_few_rows"])
 def test_kernels_match_torch_on_the_gpu(cases):
     import tests.kernel_cases
 
@@ -80,6 +81,23 @@ def test_gemv_refuses_what_it_cannot_multiply():
         gemv(torch.zeros(1, 16), w, GemvConfig(block_n=6))
 
 
+def test_few_rows_refuses_what_it_cannot_multiply():
+    from splitspec.kernels.gemv import GemvConfig, few_rows, padded_rows
+
+    w, ok = torch.zeros(8, 16), GemvConfig(16, 16)
+    with pytest.raises(ValueError, match="1 to 64 rows, got 65"):
+        few_rows(torch.zeros(65, 16), w, ok)
+    with pytest.raises(ValueError, match="rows of 16"):
+        few_rows(torch.zeros(4, 8), w, ok)
+    with pytest.raises(ValueError, match="rows of 16"):
+        few_rows(torch.zeros(16), w, ok)  # one dimension
+    with pytest.raises(ValueError, match="columns contiguous"):
+        few_rows(torch.zeros(16, 4).T, w, ok)
+    with pytest.raises(ValueError, match="at least 16"):
+        few_rows(torch.zeros(4, 16), w, GemvConfig(8, 16))  # below tl.dot's tile
+    assert [padded_rows(r) for r in (1, 2, 16, 17, 32, 33, 64)] == [16, 16, 16, 32, 32, 64, 64]
+
+
 def test_gemv_linear_routes_by_rows_and_configs(monkeypatch):
     """linear: one row to gemv with W's shape's config (DEFAULT if unlisted); a shape listed as
     None (cuBLAS faster) and more rows to torch."""
@@ -93,3 +111,23 @@ def test_gemv_linear_routes_by_rows_and_configs(monkeypatch):
         torch.testing.assert_close(module.linear(x, w), x @ w.T)
     assert module.linear(torch.randn(3, 16), torch.randn(8, 16)).shape == (3, 8)
     assert seen == [module.GemvConfig(16, 64, 8), module.DEFAULT]
+
+
+def test_few_rows_linear_routes_only_the_shapes_row_configs_lists(monkeypatch):
+    """linear: 2 to 64 rows to few_rows where ROW_CONFIGS lists (rows padded, N, K) and x's
+    columns are contiguous; other shapes, row counts, and 65 rows or more to torch."""
+    from splitspec.kernels import gemv as module
+
+    seen = []
+    monkeypatch.setattr(module, "few_rows",
+                        lambda x, w, config: seen.append((x.shape[0], config)) or x @ w.T)
+    listed = module.GemvConfig(32, 64, 4, 4)
+    monkeypatch.setattr(module, "ROW_CONFIGS", {(16, 8, 16): listed})
+    w = torch.randn(8, 16)
+    for x in (torch.randn(3, 16), torch.randn(2, 8, 16)[:, 0, :], torch.randn(1, 5, 16),
+              torch.randn(20, 16), torch.randn(3, 32)[:, ::2], torch.randn(65, 16)):
+        torch.testing.assert_close(module.linear(x, w), x @ w.T)
+    assert module.linear(torch.randn(4, 16), torch.randn(4, 16)).shape == (4, 4)
+    # listed: 3 rows, 2 strided rows, 5 rows of a [1, 5, K]; not: 20 rows (pad 32), columns
+    # strided, 65 rows, another N
+    assert seen == [(3, listed), (2, listed), (5, listed)]

@@ -1,4 +1,4 @@
-"""One row through a projection: y = x W^T for x [1, K], W [N, K], at the weights' bandwidth.
+"""Few rows through a projection: y = x W^T for x [M, K], W [N, K], at the weights' bandwidth.
 
 At batch 1 each projection of a decode step is a matrix-vector product, bound by reading
 W once. On the H200, 8B shape, cuBLAS's kernels at one row reached 75 % (qkv), 59 % (o_proj,
@@ -8,7 +8,14 @@ streamed BLOCK_K columns at a time into a float32 accumulator, and rounds once a
 one kernel, no atomics, the same bits on every run. It rounds where torch's matmul rounds
 (once, from float32), but sums in another order, so the last bit can differ from cuBLAS's.
 
-bench/bench_gemv.py times it against torch's at the 8B shape's projections.
+A few rows (2 to MAX_ROWS: the draft's tree levels, a verify of a small tree) take
+:func:`few_rows`: still bound by reading W once, but each program multiplies its block of W
+by every row at once on the tensor cores (``tl.dot``, which needs 16 rows or more: the rows
+are padded to 16, 32 or 64, and the padding is masked, never read). ``linear`` sends them
+there only for the shapes that ROW_CONFIGS lists, where it beat cuBLAS when measured.
+
+bench/bench_gemv.py times both against torch's at the 8B shape's projections (and the
+EAGLE-3 head's, or a checkpoint's) and prints the CONFIGS and ROW_CONFIGS lines.
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ class GemvConfig(NamedTuple):
     block_n: int = 8     # rows of W a program reads
     block_k: int = 512   # columns a step of its loop
     num_warps: int = 4
+    num_stages: int = 3  # Triton's software pipelining depth (3 is its default)
 
 
 DEFAULT = GemvConfig()
+MAX_ROWS = 64  # the most rows few_rows takes (padded to 16, 32 or 64)
 # W's (N, K) -> its config, or None where cuBLAS was faster (bench/bench_gemv.py prints these
 # lines); a shape not listed takes DEFAULT.
 CONFIGS: dict[tuple[int, int], GemvConfig | None] = {  # H200, Llama-3-8B's shapes, session 20
@@ -36,6 +45,10 @@ CONFIGS: dict[tuple[int, int], GemvConfig | None] = {  # H200, Llama-3-8B's shap
     (4096, 14336): GemvConfig(4, 512, 4),  # down
     (128256, 4096): GemvConfig(4, 1024, 8),  # lm_head
 }
+# (rows padded, N, K) -> few_rows's config where it beat cuBLAS (bench_gemv --rows prints these
+# lines); every other shape and row count with more than one row goes to torch. None
+# measured yet: empty, so nothing takes few_rows until a GPU run says it pays.
+ROW_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
 
 
 @triton.jit
@@ -58,6 +71,63 @@ def _gemv_kernel(x, w, out, N, w_row, K: tl.constexpr, BLOCK_N: tl.constexpr,
     tl.store(out + n, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=keep)
 
 
+@triton.jit
+def _rows_kernel(x, w, out, M, N, x_row, w_row, out_row, K: tl.constexpr, ROWS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    m = tl.arange(0, ROWS)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep_m, keep_n = m < M, n < N
+    xs_at = x + m.to(tl.int64)[:, None] * x_row
+    ws_at = w + n.to(tl.int64)[:, None] * w_row
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        inside = k < K
+        xs = tl.load(xs_at + k[None, :], mask=keep_m[:, None] & inside[None, :], other=0.0)
+        ws = tl.load(ws_at + k[None, :], mask=keep_n[:, None] & inside[None, :], other=0.0)
+        if IEEE:  # float32 products: float32 inputs, and the interpreter (its dot reads
+            # bf16 as raw 16-bit integers)
+            acc = tl.dot(xs.to(tl.float32), tl.trans(ws.to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(xs, tl.trans(ws), acc)
+    tl.store(out + m[:, None] * out_row + n[None, :], acc.to(out.dtype.element_ty),
+             mask=keep_m[:, None] & keep_n[None, :])
+
+
+def padded_rows(rows: int) -> int:
+    """The row count few_rows computes for ``rows`` (tl.dot's tiles: 16, 32 or 64)."""
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"few_rows takes 1 to {MAX_ROWS} rows, got {rows}")
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+def _check_blocks(config: GemvConfig, least: int = 1) -> None:
+    blocks = (config.block_n, config.block_k)
+    if any(b & (b - 1) or b < least for b in blocks):
+        raise ValueError(f"block sizes must be powers of two, at least {least}, got {config}")
+
+
+def few_rows(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT) -> torch.Tensor:
+    """x [M, K] (1 <= M <= MAX_ROWS; rows may be strided, columns contiguous) times w [N, K],
+    transposed: [M, N] in x's dtype, as ``torch.nn.functional.linear(x, w)``; float32 sums,
+    one rounding. config.block_n and block_k are at least 16 (tl.dot's smallest tile)."""
+    n, k = w.shape
+    if (x.dim() != 2 or x.shape[1] != k or w.stride(1) != 1 or x.stride(1) != 1
+            or x.dtype != w.dtype):
+        raise ValueError(f"few_rows needs rows of {k} (got {tuple(x.shape)}) in w's dtype "
+                         f"{w.dtype} (got {x.dtype}) and x's and w's columns contiguous")
+    rows = padded_rows(x.shape[0])
+    _check_blocks(config, least=16)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    ieee = x.dtype == torch.float32 or x.device.type == "cpu"
+    _rows_kernel[(triton.cdiv(n, config.block_n),)](
+        x, w, out, x.shape[0], n, x.stride(0), w.stride(0), out.stride(0), K=k, ROWS=rows,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, IEEE=ieee, num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    return out
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT) -> torch.Tensor:
     """x [1, K] (or [K]) times w [N, K] (rows may be strided, columns contiguous), transposed:
     [1, N] (or [N]) in x's dtype, as ``torch.nn.functional.linear(x, w)``."""
@@ -65,22 +135,29 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT) -> torc
     if x.numel() != k or x.shape[-1] != k or w.stride(1) != 1 or x.dtype != w.dtype:
         raise ValueError(f"gemv needs one row of {k} (got {tuple(x.shape)}) in w's dtype "
                          f"{w.dtype} (got {x.dtype}) and w's columns contiguous")
-    if config.block_n & (config.block_n - 1) or config.block_k & (config.block_k - 1):
-        raise ValueError(f"block sizes must be powers of two, got {config}")
+    _check_blocks(config)
     row = x.reshape(k).contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         row, w, out, n, w.stride(0), K=k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps)
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``torch.nn.functional.linear(x, w)`` (no bias): one row of x through :func:`gemv`
-    (with W's config from CONFIGS), more rows, and W's shapes where cuBLAS was faster, through
-    torch."""
-    if x.numel() == w.shape[1] and x.dtype == w.dtype and w.stride(1) == 1:
-        config = CONFIGS.get((w.shape[0], w.shape[1]), DEFAULT)
-        if config is not None:
-            return gemv(x, w, config)
+    """``torch.nn.functional.linear(x, w)`` (no bias): one row of x through :func:`gemv` (with
+    W's config from CONFIGS; None there: torch), 2 to MAX_ROWS rows through :func:`few_rows`
+    where ROW_CONFIGS lists their shape, everything else through torch."""
+    n, k = w.shape
+    if x.dtype == w.dtype and w.stride(1) == 1 and x.shape[-1] == k:
+        rows = x.numel() // k
+        if rows == 1:
+            config = CONFIGS.get((n, k), DEFAULT)
+            if config is not None:
+                return gemv(x, w, config)
+        elif 1 < rows <= MAX_ROWS and x.stride(-1) == 1:
+            row_config = ROW_CONFIGS.get((padded_rows(rows), n, k))
+            if row_config is not None:
+                flat = x.reshape(rows, k)  # a view where x's rows allow one
+                return few_rows(flat, w, row_config).reshape(*x.shape[:-1], n)
     return torch.nn.functional.linear(x, w)
