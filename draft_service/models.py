@@ -216,7 +216,7 @@ class Eagle3Draft(DraftModel):
         return head.midlayer(head.embed_tokens(tokens), parent_states, positions, ctx)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
-        return self.head.lm_head(self.head.norm(states)).float()
+        return self.head.logits(states)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(draft_ids)

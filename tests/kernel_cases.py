@@ -383,3 +383,87 @@ class EveryShape(dict):
 
     def get(self, key, default=None):
         return self.config
+
+
+WIRED = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+WIRED_DRAFT_VOCAB = 80
+
+
+def run_wired_projections(device: str) -> None:
+    """A small target and its EAGLE-3 head with the Triton kernels on, every projection
+    through splitspec.kernels.gemv (one row and a few), against the same weights through
+    torch: the logits agree, and each projection of both models went through ``linear``."""
+    from splitspec.kernels import fused_ops
+    from splitspec.kernels import gemv as module
+
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    plain_linear = fused_ops.linear
+
+    def counted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        seen.append((x.numel() // w.shape[1], tuple(w.shape)))
+        return plain_linear(x, w)
+
+    saved = fused_ops.linear, module.CONFIGS, module.ROW_CONFIGS
+    fused_ops.linear = counted
+    module.CONFIGS = EveryShape(module.GemvConfig(16, 32, 4))
+    module.ROW_CONFIGS = EveryShape(module.GemvConfig(16, 32, 4))
+    try:  # on a GPU this runs in the tests' process: the tables go back after
+        results = _wired_logits(device)
+    finally:
+        fused_ops.linear, module.CONFIGS, module.ROW_CONFIGS = saved
+    for fused, plain in zip(*results, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    h, inter, vocab = WIRED["hidden_size"], WIRED["intermediate_size"], WIRED["vocab_size"]
+    qkv = (4 + 2 * 2) * 16
+    layer = {(h, h), (2 * inter, h), (h, inter)}  # o_proj, gate_up, down: the same in both
+    want = ({(qkv, h), (vocab, h)} | layer  # the target's qkv and lm_head
+            | {(h, 3 * h), (qkv, 2 * h), (WIRED_DRAFT_VOCAB, h)})  # the head's fc, qkv, lm_head
+    for rows in (6, 1):
+        assert {w for r, w in seen if r == rows} == want, (rows, sorted(want), sorted(seen))
+
+
+def _wired_logits(device: str) -> list[list[torch.Tensor]]:
+    """A small target's and its EAGLE-3 head's logits for a prompt of 6 then one decode row,
+    with the Triton kernels on, then off."""
+    import tempfile
+    from pathlib import Path
+
+    from splitspec.attention import SeqAttention, TorchAttentionBackend
+    from splitspec.builtin import build
+    from splitspec.kv_cache import KVCache, PagePool, PageTable
+    from splitspec.model.layers import AttentionContext, use_fused_kernels
+    from splitspec.model.loader import load_eagle3, load_llama
+
+    with tempfile.TemporaryDirectory() as tmp:
+        target_dir = build.write_llama(Path(tmp) / "t", WIRED, seed=3)
+        head_dir = build.write_eagle3_head(Path(tmp) / "e", target_dir,
+                                           draft_vocab_size=WIRED_DRAFT_VOCAB)
+        target = load_llama(target_dir, torch.float32, device)
+        head = load_eagle3(head_dir, torch.float32, device)
+    cfg, backend = target.config, TorchAttentionBackend()
+    gen = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, cfg.vocab_size, (7,), generator=gen).to(device)
+    features = torch.randn(7, 3 * cfg.hidden_size, generator=gen).to(device)
+    results = []
+    for on in (True, False):
+        use_fused_kernels(target, on)
+        use_fused_kernels(head, on)
+        outputs = []
+        for model, layers in ((target, cfg.num_layers), (head, 1)):
+            cache = KVCache(layers, 2, 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
+            table = PageTable(16)
+            table.reserve(PagePool(2), 7)
+            for rows, start in ((6, 0), (1, 6)):  # a prompt of 6, then one decode row
+                ids, pos = prompt[start:start + rows], torch.arange(start, start + rows)
+                attn = SeqAttention(table, start + rows, rows)
+                ctx = AttentionContext(backend, backend.plan([attn], device), cache)
+                with torch.inference_mode():
+                    if model is target:
+                        outputs.append(target.compute_logits(
+                            target(ids, pos.to(device), ctx).hidden))
+                    else:
+                        outputs.append(head(ids, head.fuse(features[start:start + rows]),
+                                            pos.to(device), ctx).logits)
+        results.append(outputs)
+    return results

@@ -21,7 +21,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
-                                   "run_paged_decode", "run_gemv", "run_few_rows"])
+                                   "run_paged_decode", "run_gemv", "run_few_rows",
+                                   "run_wired_projections"])
 def test_kernels_match_torch_in_the_interpreter(cases):
     """run: KV compaction; run_fused: norms, rotary, SiLU-and-multiply, the KV store;
     run_tree: the draft's tree-node attention and merge; run_prompts: packed prompts' causal
@@ -36,7 +37,8 @@ def test_kernels_match_torch_in_the_interpreter(cases):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
-                                   "run_paged_decode", "run_gemv", "run_few_rows"])
+                                   "run_paged_decode", "run_gemv", "run_few_rows",
+                                   "run_wired_projections"])
 def test_kernels_match_torch_on_the_gpu(cases):
     import tests.kernel_cases
 

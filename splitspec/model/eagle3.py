@@ -12,13 +12,20 @@ target ids.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from splitspec.model.config import Eagle3Config
-from splitspec.model.layers import AttentionContext, LlamaAttention, LlamaMLP, RMSNorm
+from splitspec.model.layers import (
+    AttentionContext,
+    LlamaAttention,
+    LlamaMLP,
+    RMSNorm,
+    linear_of,
+)
 
 
 class Eagle3Output(NamedTuple):
@@ -45,6 +52,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
+    kernels: ModuleType | None = None  # set by use_fused_kernels (fc's and lm_head's projections)
+
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         layer = cfg.layer
@@ -59,13 +68,17 @@ class Eagle3Head(nn.Module):
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [T, 3 * H_target] -> hidden [T, H]."""
-        return self.fc(features.to(self.fc.weight.dtype))
+        return linear_of(self.kernels)(features.to(self.fc.weight.dtype), self.fc.weight)
+
+    def logits(self, g: torch.Tensor) -> torch.Tensor:
+        """The head's residual stream [T, H] -> draft-vocabulary logits [T, V_draft], float32."""
+        return linear_of(self.kernels)(self.norm(g), self.lm_head.weight).float()
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ctx: AttentionContext) -> Eagle3Output:
         """input_ids [T]; hidden [T, H]: fused target features or the head's own g."""
         g = self.midlayer(self.embed_tokens(input_ids), hidden, positions, ctx)
-        return Eagle3Output(self.lm_head(self.norm(g)).float(), g)
+        return Eagle3Output(self.logits(g), g)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
