@@ -1,16 +1,19 @@
-"""Batch-1 projections at the 8B shape: torch's linear against splitspec/kernels/gemv.py (CUDA).
+"""Projections of one row and of a few: torch's linear against splitspec/kernels/gemv.py (CUDA).
 
-For each projection of a Llama-3.1-8B-shaped step (qkv, o_proj, gate_up, down: the
-fused weights the model multiplies by; lm_head), one CUDA graph of a call per layer, each
-on its own copy of the weight (32 copies; 4 of lm_head), so that no call finds its weight
-in L2, as none does in a real step; the replays are queued back to back and timed with
-CUDA events. Per call: the median time over --repeats timings, its share of the
-weight-read rate (4.5 TB/s, bench_decode_floor.py), and the largest difference from
-torch's output in units of the output's bf16 rounding step. Variants: ``torch``
-(``nn.functional.linear``, cuBLAS) and the Triton kernel for each config of the grid
-(--block-n x --block-k x --warps).
+For each projection shape (by default a Llama-3.1-8B-shaped step's: qkv, o_proj, gate_up,
+down, the fused weights the model multiplies by, and lm_head; and its EAGLE-3 head's
+draft_qkv, draft_fc, draft_lm_head; or ``--model DIR``'s, or ``--shape NAME=N,K``) and each
+row count of ``--rows``: one CUDA graph of a call per copy of the weight (up to 32 copies,
+so that no call finds its weight in L2, as none does in a real step); the replays are queued
+back to back and timed with CUDA events. Per call: the median time over --repeats timings,
+its share of the weight-read rate (4.5 TB/s, bench_decode_floor.py), and the largest
+difference from torch's output in units of the output's bf16 rounding step. Variants:
+``torch`` (``nn.functional.linear``, cuBLAS) and the Triton kernel for each config of the
+grid (--block-n x --block-k x --warps x --stages): ``gemv`` at one row, ``few_rows`` at more.
+At the end it prints the CONFIGS and ROW_CONFIGS lines for gemv.py.
 
     python bench/bench_gemv.py --out-json /tmp/gemv.json
+    python bench/bench_gemv.py --rows 4,9,16 --shapes qkv,o_proj,gate_up,down
 
 ``--device cpu --shrink 64`` runs it on CPU (the kernel in Triton's interpreter, with
 TRITON_INTERPRET=1; every dimension divided by 64, two copies, eager calls timed on the
@@ -31,18 +34,72 @@ import torch
 from bench_decode_attention import parse_ints as ints
 from bench_decode_attention import time_graph
 
-from splitspec.kernels.gemv import GemvConfig, gemv
+from splitspec.kernels.gemv import MAX_ROWS, GemvConfig, few_rows, gemv, padded_rows
+from splitspec.model.config import (
+    EAGLE3_ARCHITECTURES,
+    Eagle3Config,
+    LlamaConfig,
+    read_hf_config,
+)
 
 BANDWIDTH_TB_S = 4.5  # as bench_decode_floor.py
+COPIES_BYTES = 8e9  # each shape's weight copies, at most (and at most 32 copies)
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 8, 128, 14336, 128256
-SHAPES = {  # name: (N, K, copies)
-    "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, 32),
-    "o_proj": (HIDDEN, HEADS * HEAD_DIM, 32),
-    "gate_up": (2 * INTER, HIDDEN, 32),
-    "down": (HIDDEN, INTER, 32),
-    "lm_head": (VOCAB, HIDDEN, 4),
+DRAFT_VOCAB = 32000  # the EAGLE-3 heads published for Llama-3.1-8B (REFERENCE.md)
+SHAPES = {  # name: (N, K)
+    "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+    "o_proj": (HIDDEN, HEADS * HEAD_DIM),
+    "gate_up": (2 * INTER, HIDDEN),
+    "down": (HIDDEN, INTER),
+    "lm_head": (VOCAB, HIDDEN),
+    # the head's layer reads [embedding | hidden] (2H); fc fuses three target features (3H);
+    # its o_proj, gate_up and down are the target's shapes
+    "draft_qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, 2 * HIDDEN),
+    "draft_fc": (HIDDEN, 3 * HIDDEN),
+    "draft_lm_head": (DRAFT_VOCAB, HIDDEN),
 }
+ONE_ROW_GRID = ([4, 8, 16, 32], [256, 512, 1024], [4, 8], [3])  # block_n, block_k, warps, stages
+ROWS_GRID = ([16, 32, 64], [64, 128, 256], [4, 8], [3, 4])  # few_rows: tl.dot's tiles, >= 16
 QUEUED = 10  # replays a timing
+
+
+def copies_of(n: int, k: int) -> int:
+    """Copies of an [N, K] bf16 weight a graph cycles through: 32 (the 8B's layers), fewer
+    where 32 would pass 8 GB (7 of lm_head), at least 2. Each copy is read once a cycle, so
+    none stays in the 50 MB L2 unless all of them fit there (shapes far below the 8B's)."""
+    return max(2, min(32, int(COPIES_BYTES // (n * k * 2))))
+
+
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
+    """The projections a checkpoint's model multiplies by (fused q/k/v and gate/up), named
+    after the checkpoint's folder: a Llama target's or an EAGLE-3 head's."""
+    raw = read_hf_config(model_dir)
+    eagle3 = any(a in EAGLE3_ARCHITECTURES for a in raw.get("architectures") or [])
+    cfg = Eagle3Config.from_hf(raw).layer if eagle3 else LlamaConfig.from_hf(raw)
+    h = cfg.hidden_size
+    shapes = {
+        "qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, 2 * h if eagle3 else h),
+        "o_proj": (h, cfg.num_heads * cfg.head_dim),
+        "gate_up": (2 * cfg.intermediate_size, h),
+        "down": (h, cfg.intermediate_size),
+    }
+    if eagle3:
+        head = Eagle3Config.from_hf(raw)
+        shapes |= {"fc": (h, 3 * head.target_hidden_size), "lm_head": (head.draft_vocab_size, h)}
+    else:
+        shapes["lm_head"] = (cfg.vocab_size, h)
+    return {f"{Path(model_dir).name}_{name}": shape for name, shape in shapes.items()}
+
+
+def parse_shape(text: str) -> tuple[str, tuple[int, int]]:
+    name, _, dims = text.partition("=")
+    try:
+        n, k = (int(v) for v in dims.split(","))
+    except ValueError:
+        n = k = 0
+    if not name or n < 1 or k < 1:
+        raise argparse.ArgumentTypeError(f"need NAME=N,K with positive N and K, got {text!r}")
+    return name, (n, k)
 
 
 def graph_of(calls: Callable[[], None]) -> torch.cuda.CUDAGraph:
@@ -67,23 +124,30 @@ def time_eager(calls: Callable[[], None], repeats: int) -> list[float]:
     return times
 
 
-def measure(name: str, configs: list[GemvConfig], repeats: int, device: str, shrink: int
-            ) -> list[dict]:
-    n, k, copies = SHAPES[name]
+def label_of(config: GemvConfig) -> str:
+    return (f"triton n{config.block_n} k{config.block_k} w{config.num_warps} "
+            f"s{config.num_stages}")
+
+
+def measure(name: str, shape: tuple[int, int], rows: int, configs: list[GemvConfig],
+            repeats: int, device: str, shrink: int) -> list[dict]:
+    n, k = shape
+    copies = copies_of(n, k)
     if shrink > 1:
-        n, k, copies = n // shrink, k // shrink, 2
+        n, k, copies = max(1, n // shrink), max(1, k // shrink), 2
     gen = torch.Generator(device=device).manual_seed(0)
     weights = [torch.randn(n, k, device=device, dtype=torch.bfloat16, generator=gen) / k ** 0.5
                for _ in range(copies)]
-    x = torch.randn(1, k, device=device, dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(rows, k, device=device, dtype=torch.bfloat16, generator=gen)
     want = torch.nn.functional.linear(x, weights[0])
     step = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-2)
+    kernel = gemv if rows == 1 else few_rows
     variants: list[tuple[str, GemvConfig | None]] = [("torch", None)]
-    variants += [(f"triton n{c.block_n} k{c.block_k} w{c.num_warps}", c) for c in configs]
-    rows = []
+    variants += [(label_of(c), c) for c in configs]
+    results = []
     for label, config in variants:
         def one(w: torch.Tensor, config: GemvConfig | None = config) -> torch.Tensor:
-            return torch.nn.functional.linear(x, w) if config is None else gemv(x, w, config)
+            return torch.nn.functional.linear(x, w) if config is None else kernel(x, w, config)
 
         def calls(one: Callable[[torch.Tensor], torch.Tensor] = one) -> None:
             for w in weights:  # outputs left in the graph's pool: no copy kernel timed
@@ -96,28 +160,109 @@ def measure(name: str, configs: list[GemvConfig], repeats: int, device: str, shr
             ms = statistics.median(time_eager(calls, repeats)) / copies
         diff = float(((one(weights[0]).float() - want.float()).abs() / step).max())
         share = n * k * 2 / (ms * 1e-3) / (BANDWIDTH_TB_S * 1e12)
-        rows.append({"shape": name, "n": n, "k": k, "variant": label,
-                     "config": None if config is None else config._asdict(),
-                     "us_per_call": 1000 * ms, "share_of_bandwidth": share,
-                     "max_diff_steps": diff})
-        print(f"{name:8s} {label:24s} {1000 * ms:8.2f} us  {share:5.3f} of 4.5 TB/s  "
-              f"max diff {diff:.1f} steps", flush=True)
-    return rows
+        results.append({"shape": name, "n": n, "k": k, "rows": rows, "variant": label,
+                        "config": None if config is None else config._asdict(),
+                        "us_per_call": 1000 * ms, "share_of_bandwidth": share,
+                        "max_diff_steps": diff})
+        print(f"{name:14s} rows {rows:2d} {label:28s} {1000 * ms:8.2f} us  {share:5.3f} of "
+              f"4.5 TB/s  max diff {diff:.1f} steps", flush=True)
+    return results
 
 
-def best_of(rows: list[dict], name: str) -> tuple[dict, dict]:
-    """One shape's torch row and its fastest Triton row."""
-    mine = [r for r in rows if r["shape"] == name]
-    return (next(r for r in mine if r["variant"] == "torch"),
-            min((r for r in mine if r["config"]), key=lambda r: r["us_per_call"]))
+def config_text(c: dict) -> str:
+    return f"GemvConfig({c['block_n']}, {c['block_k']}, {c['num_warps']}, {c['num_stages']})"
+
+
+def best_of(results: list[dict]) -> tuple[dict, dict]:
+    """One (shape, rows)'s torch result and its fastest Triton one."""
+    return (next(r for r in results if r["variant"] == "torch"),
+            min((r for r in results if r["config"]), key=lambda r: r["us_per_call"]))
+
+
+def row_configs(results: list[dict]) -> dict[tuple[int, int, int], tuple[dict | None, str]]:
+    """(rows padded, N, K) -> the few_rows config with the least total time over that pad's
+    measured row counts, or None unless it beat torch at every one of them; and the names."""
+    by_pad: dict[tuple[int, int, int], list[dict]] = {}
+    for r in results:
+        if r["rows"] > 1:
+            by_pad.setdefault((padded_rows(r["rows"]), r["n"], r["k"]), []).append(r)
+    chosen = {}
+    for key, mine in by_pad.items():
+        counts = sorted({r["rows"] for r in mine})
+        labels = {r["variant"] for r in mine if r["config"]}
+        totals = {lab: sum(r["us_per_call"] for r in mine if r["variant"] == lab)
+                  for lab in labels}
+        label = min(totals, key=totals.get)
+        wins = all(
+            next(r for r in mine if r["rows"] == c and r["variant"] == label)["us_per_call"]
+            < next(r for r in mine if r["rows"] == c and r["variant"] == "torch")["us_per_call"]
+            for c in counts)
+        config = next(r["config"] for r in mine if r["variant"] == label)
+        note = f"{mine[0]['shape']}, rows {','.join(map(str, counts))}"
+        chosen[key] = (config if wins else None, note)
+    return chosen
+
+
+def report(results: list[dict]) -> None:
+    """The best variant per shape and row count, then the lines to paste into gemv.py."""
+    print("\nbest per shape and row count:")
+    keys = list(dict.fromkeys((r["shape"], r["rows"]) for r in results))
+    best = {key: best_of([r for r in results if (r["shape"], r["rows"]) == key])
+            for key in keys}
+    for (name, rows), (torch_row, row) in best.items():
+        print(f"{name:14s} rows {rows:2d} torch {torch_row['us_per_call']:7.2f} us "
+              f"({torch_row['share_of_bandwidth']:.3f}), best {row['variant']} "
+              f"{row['us_per_call']:7.2f} us ({row['share_of_bandwidth']:.3f}): "
+              f"{torch_row['us_per_call'] / row['us_per_call']:.3f}x")
+    one_row = {key: value for key, value in best.items() if key[1] == 1}
+    if one_row:
+        print("\nsplitspec/kernels/gemv.py CONFIGS (one row): each shape's best config, None "
+              "where torch won:")
+        for (name, _), (torch_row, row) in one_row.items():
+            config = (config_text(row["config"])
+                      if row["us_per_call"] < torch_row["us_per_call"] else "None")
+            print(f"CONFIGS     ({row['n']}, {row['k']}): {config},  # {name}")
+    chosen = row_configs(results)
+    if chosen:
+        print("\nsplitspec/kernels/gemv.py ROW_CONFIGS (rows padded to 16/32/64): the config "
+              "that beat torch at every row count of the pad (shapes where it did not are "
+              "left out):")
+        for (pad, n, k), (config, note) in chosen.items():
+            if config is None:
+                print(f"# ROW_CONFIGS ({pad}, {n}, {k}): torch won,  # {note}")
+            else:
+                print(f"ROW_CONFIGS ({pad}, {n}, {k}): {config_text(config)},  # {note}")
+
+
+def grid(args: argparse.Namespace, rows: int) -> list[GemvConfig]:
+    """The configs tried at ``rows``: the options' grid, or the default one of its kernel
+    (few_rows keeps only blocks of 16 or more, tl.dot's smallest tile)."""
+    default = ONE_ROW_GRID if rows == 1 else ROWS_GRID
+    block_n, block_k, warps, stages = (given or fallback for given, fallback in zip(
+        (args.block_n, args.block_k, args.warps, args.stages), default, strict=True))
+    least = 1 if rows == 1 else 16
+    return [GemvConfig(bn, bk, w, st) for bn in block_n for bk in block_k for w in warps
+            for st in stages if bn >= least and bk >= least]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default=",".join(SHAPES), help="of " + ",".join(SHAPES))
-    parser.add_argument("--block-n", type=ints, default=[4, 8, 16, 32])
-    parser.add_argument("--block-k", type=ints, default=[256, 512, 1024])
-    parser.add_argument("--warps", type=ints, default=[4, 8])
+    parser.add_argument("--shapes", default=",".join(list(SHAPES)[:5]),
+                        help=f"of {','.join(SHAPES)} (default: the target's); '' for none")
+    parser.add_argument("--shape", type=parse_shape, action="append", default=[],
+                        metavar="NAME=N,K", help="one more shape (repeatable)")
+    parser.add_argument("--model", type=Path, action="append", default=[],
+                        help="a checkpoint folder (Llama target or EAGLE-3 head): its projections "
+                        "(repeatable)")
+    parser.add_argument("--rows", type=ints, default=[1],
+                        help=f"row counts to time (1: gemv; 2 to {MAX_ROWS}: few_rows)")
+    parser.add_argument("--block-n", type=ints, help=f"default {ONE_ROW_GRID[0]} at one row, "
+                        f"{ROWS_GRID[0]} at more")
+    parser.add_argument("--block-k", type=ints, help=f"default {ONE_ROW_GRID[1]} at one row, "
+                        f"{ROWS_GRID[1]} at more")
+    parser.add_argument("--warps", type=ints, help=f"default {ONE_ROW_GRID[2]}")
+    parser.add_argument("--stages", type=ints, help=f"default {ONE_ROW_GRID[3]} at one row, "
+                        f"{ROWS_GRID[3]} at more")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--shrink", type=int, default=1, help="divide every dimension by this "
@@ -128,36 +273,36 @@ def main() -> int:
         print("no CUDA device: bench_gemv measures on one (--device cpu only checks the script)",
               file=sys.stderr)
         return 2
-    shapes = args.shapes.split(",")
-    unknown = [s for s in shapes if s not in SHAPES]
+    names = [s for s in args.shapes.split(",") if s]
+    unknown = [s for s in names if s not in SHAPES]
     if unknown:
         parser.error(f"unknown shapes {unknown}: choose from {', '.join(SHAPES)}")
-    configs = [GemvConfig(bn, bk, w) for bn in args.block_n for bk in args.block_k
-               for w in args.warps]
-    rows = []
+    too_many = [r for r in args.rows if r > MAX_ROWS]
+    if too_many:
+        parser.error(f"--rows {too_many}: the kernels take at most {MAX_ROWS} rows")
+    shapes = {name: SHAPES[name] for name in names} | dict(args.shape)
+    for model_dir in args.model:
+        shapes |= checkpoint_shapes(model_dir)
+    if not shapes:
+        parser.error("no shapes: give --shapes, --shape or --model")
+    results = []
     with torch.inference_mode():
-        for name in shapes:
-            rows += measure(name, configs, args.repeats, args.device, args.shrink)
-            if args.device == "cuda":
-                torch.cuda.empty_cache()  # this shape's weights
-    print("\nbest per shape:")
-    best = {name: best_of(rows, name) for name in shapes}
-    for name, (torch_row, row) in best.items():
-        print(f"{name:8s} torch {torch_row['us_per_call']:7.2f} us "
-              f"({torch_row['share_of_bandwidth']:.3f}), best {row['variant']} "
-              f"{row['us_per_call']:7.2f} us ({row['share_of_bandwidth']:.3f}): "
-              f"{torch_row['us_per_call'] / row['us_per_call']:.3f}x")
-    print("\nsplitspec/kernels/gemv.py CONFIGS: each shape's best config, None where torch won:")
-    for name, (torch_row, row) in best.items():
-        c = row["config"]
-        config = (f"GemvConfig({c['block_n']}, {c['block_k']}, {c['num_warps']})"
-                  if row["us_per_call"] < torch_row["us_per_call"] else "None")
-        print(f"    ({row['n']}, {row['k']}): {config},  # {name}")
+        for rows in args.rows:
+            configs = grid(args, rows)
+            if not configs:
+                parser.error(f"no config of the grid fits {rows} rows (few_rows needs blocks of "
+                             "16 or more)")
+            for name, shape in shapes.items():
+                results += measure(name, shape, rows, configs, args.repeats, args.device,
+                                   args.shrink)
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()  # this shape's weights
+    report(results)
     if args.out_json:
         args.out_json.write_text(json.dumps({"command": " ".join(sys.argv),
                                              "device": torch.cuda.get_device_name()
                                              if args.device == "cuda" else "cpu",
-                                             "rows": rows}, indent=1))
+                                             "results": results}, indent=1))
     return 0
 
 

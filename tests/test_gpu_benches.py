@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -59,18 +60,51 @@ def test_tp_comm_bench_runs_on_cpu(tmp_path):
     assert all(result[f"{way}_call_ms_batch{b}"] > 0 for way in ("pickled", "packed") for b in (1, 32))
 
 
-def test_gemv_bench_runs_on_cpu(tmp_path):
-    """bench_gemv shrunk, the kernel in Triton's interpreter: torch and one config per shape,
-    each agreeing with torch's output to bf16 rounding."""
+def run_gemv_bench(*options: str) -> tuple[list[dict], str]:
+    """bench_gemv on CPU, the kernels in Triton's interpreter, one config (16, 32, 4, 3):
+    its JSON results and its printed lines."""
     pytest.importorskip("triton")
-    out = tmp_path / "gemv.json"
-    subprocess.run([sys.executable, "bench/bench_gemv.py", "--device", "cpu", "--shrink", "64",
-                    "--shapes", "o_proj,down", "--block-n", "8", "--block-k", "32", "--warps",
-                    "4", "--repeats", "1", "--out-json", str(out)], cwd=REPO, check=True,
-                   timeout=300, capture_output=True, env={**os.environ, "TRITON_INTERPRET": "1"})
-    rows = json.loads(out.read_text())["rows"]
-    assert [(r["shape"], r["variant"]) for r in rows] == [
-        ("o_proj", "torch"), ("o_proj", "triton n8 k32 w4"),
-        ("down", "torch"), ("down", "triton n8 k32 w4")]
-    assert [(r["n"], r["k"]) for r in rows[::2]] == [(64, 64), (64, 224)]
-    assert all(r["us_per_call"] > 0 and r["max_diff_steps"] <= 2 for r in rows)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "gemv.json"
+        done = subprocess.run(
+            [sys.executable, "bench/bench_gemv.py", "--device", "cpu", "--block-n", "16",
+             "--block-k", "32", "--warps", "4", "--stages", "3", "--repeats", "1",
+             "--out-json", str(out), *options], cwd=REPO, check=True, timeout=300,
+            capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+        return json.loads(out.read_text())["results"], done.stdout
+
+
+def test_gemv_bench_runs_on_cpu():
+    """bench_gemv shrunk: torch and one config per shape and row count (gemv at one row,
+    few_rows at nine), each agreeing with torch's output to bf16 rounding, and the lines for
+    gemv.py's CONFIGS and ROW_CONFIGS."""
+    results, printed = run_gemv_bench("--shrink", "64", "--shapes", "o_proj,down", "--shape",
+                                      "mine=640,1280", "--rows", "1,9")
+    variant = "triton n16 k32 w4 s3"
+    assert [(r["shape"], r["rows"], r["variant"]) for r in results] == [
+        (shape, rows, v) for rows in (1, 9) for shape in ("o_proj", "down", "mine")
+        for v in ("torch", variant)]
+    assert [(r["n"], r["k"]) for r in results[:6:2]] == [(64, 64), (64, 224), (10, 20)]
+    assert all(r["us_per_call"] > 0 and r["max_diff_steps"] <= 2 for r in results)
+    pasted = [line.removeprefix("# ").split(":")[0] for line in printed.splitlines()
+              if line.startswith(("CONFIGS", "ROW_CONFIGS", "# ROW_CONFIGS"))]  # "# ": torch won
+    shapes = [(64, 64), (64, 224), (10, 20)]
+    assert pasted == [f"CONFIGS     ({n}, {k})" for n, k in shapes] + [
+        f"ROW_CONFIGS (16, {n}, {k})" for n, k in shapes], printed
+
+
+def test_gemv_bench_reads_a_checkpoints_projections(tmp_path):
+    """--model: an EAGLE-3 head's projections (its layer reads 2H; fc 3 target widths; its own
+    vocabulary), named after its folder."""
+    from splitspec.builtin import build
+
+    target = build.write_llama(tmp_path / "t", {
+        "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}, seed=3)
+    head = build.write_eagle3_head(tmp_path / "head", target, draft_vocab_size=80)
+    results, _ = run_gemv_bench("--shapes", "", "--model", str(head), "--model", str(target))
+    assert {r["shape"]: (r["n"], r["k"]) for r in results} == {
+        "head_qkv": (128, 128), "head_o_proj": (64, 64), "head_gate_up": (192, 64),
+        "head_down": (64, 96), "head_fc": (64, 192), "head_lm_head": (80, 64),
+        "t_qkv": (128, 64), "t_o_proj": (64, 64), "t_gate_up": (192, 64), "t_down": (64, 96),
+        "t_lm_head": (96, 64)}
