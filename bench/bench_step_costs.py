@@ -17,7 +17,9 @@ of that target's shape (one layer, draft vocabulary 32000), after a prompt of
   its features) and draft a tree of --tree-nodes nodes, topk --topk, depth
   --depth, as the draft service does for every step; with graphs the catch-up
   runs inside the search's graph, and the same calls are timed again with it
-  run eagerly first (``draft_two_pass_ms``).
+  run eagerly first (``draft_two_pass_ms``), and its graph is replayed alone as the
+  decode graph is (``draft_replay_queued_ms``, ``draft_launch_ms``); the draft's own
+  weight-read floor (``floor_ms``: fc once, then the layer and lm_head once a level).
 
 With ``--batch N`` the target's calls are made for N sequences at once (the
 draft is then not timed), and ``--prompt-tokens P`` adds a mixed call: a
@@ -140,6 +142,39 @@ def capture_graphs(model: LlamaForCausalLM, cache: KVCache, shape: AttentionShap
     return graphs
 
 
+def device_and_launch(graph: torch.cuda.CUDAGraph, args: argparse.Namespace
+                      ) -> tuple[list[float], list[float]]:
+    """A captured graph's device time (ms a replay, QUEUED_REPLAYS launched back to back so
+    each launch overlaps the replay before) and the host's time to launch one (not waited
+    for). The replays redo the graph's last work on the same buffers."""
+    def queued() -> None:
+        for _ in range(QUEUED_REPLAYS):
+            graph.replay()
+
+    device = [t / QUEUED_REPLAYS for t in timed(queued, 1, max(args.iters // 5, 3), args.device)]
+    launches = []
+    for _ in range(args.iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        graph.replay()
+        launches.append(1000 * (time.perf_counter() - start))
+    torch.cuda.synchronize()
+    return device, launches
+
+
+def draft_floor_ms(cfg: Eagle3Config, depth: int, dtype: torch.dtype) -> float:
+    """The weight-read floor of drafting a tree of ``depth`` levels: fc once (the catch-up's
+    features), then the layer and lm_head once a pass, ``depth`` passes (the catch-up's gives
+    the first level; each level but the last gives the next); embedding rows not counted."""
+    layer = cfg.layer
+    h, inter = layer.hidden_size, layer.intermediate_size
+    qkv = (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim * 2 * h
+    o_proj = h * layer.num_heads * layer.head_dim
+    one_pass = qkv + o_proj + 3 * h * inter + cfg.draft_vocab_size * h
+    params = h * 3 * cfg.target_hidden_size + depth * one_pass
+    return 1000 * params * torch.empty((), dtype=dtype).element_size() / (BANDWIDTH_TB_S * 1e12)
+
+
 def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype) -> dict:
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
@@ -209,23 +244,11 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
         print(f"target decode graph replay alone: median "
               f"{statistics.median(result['decode_replay_ms']):.3f} ms", flush=True)
 
-        def queued() -> None:  # replays back to back: each launch overlaps the replay before
-            for _ in range(QUEUED_REPLAYS):
-                graph.replay()
-
-        result["decode_replay_queued_ms"] = [
-            t / QUEUED_REPLAYS for t in timed(queued, 1, max(args.iters // 5, 3), args.device)]
-        launches = []  # the host's time to launch one replay (not waited for)
-        for _ in range(args.iters):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            graph.replay()
-            launches.append(1000 * (time.perf_counter() - start))
-        torch.cuda.synchronize()
-        result["decode_launch_ms"] = launches
-        print(f"target decode graph: {statistics.median(result['decode_replay_queued_ms']):.3f} "
-              f"ms a replay queued back to back (the device's time), launch "
-              f"{statistics.median(launches):.3f} ms of host time", flush=True)
+        queued, launches = device_and_launch(graph, args)
+        result["decode_replay_queued_ms"], result["decode_launch_ms"] = queued, launches
+        print(f"target decode graph: {statistics.median(queued):.3f} ms a replay queued back to "
+              f"back (the device's time), launch {statistics.median(launches):.3f} ms of host "
+              "time", flush=True)
     return result
 
 
@@ -275,8 +298,16 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
     print(f"draft tree ({args.tree_nodes}/{args.topk}/{args.depth}): median "
           f"{statistics.median(times):.3f} ms", flush=True)
     result = {"backend": name, "draft_ms": times, "target_layers": target_layers,
-              "draft_graphs": search is not None}
-    if search is not None:  # the same calls with the catch-up run eagerly before the search
+              "draft_graphs": search is not None,
+              "floor_ms": draft_floor_ms(cfg, args.depth, dtype)}
+    if search is not None:  # the catch-up-and-search graph replayed alone, then the same
+        # calls with the catch-up run eagerly before the search
+        (caught_up,) = search.caught_up.values()  # one bucket, one tree shape
+        queued, launches = device_and_launch(caught_up.graph, args)
+        result["draft_replay_queued_ms"], result["draft_launch_ms"] = queued, launches
+        print(f"draft graph (catch-up and search): {statistics.median(queued):.3f} ms a replay "
+              f"queued back to back (the device's time; floor {result['floor_ms']:.3f} ms), "
+              f"launch {statistics.median(launches):.3f} ms of host time", flush=True)
         search.caught_up.clear()
         result["draft_two_pass_ms"] = timed(step, args.warmup, args.iters, args.device)
         print(f"draft tree, catch-up first (eager): median "
@@ -332,8 +363,13 @@ def main() -> int:
         "share_of_floor_speed": result["target"]["floor_ms"] / decode,
         "verify_over_decode": statistics.median(result["target"]["verify_ms"]) / decode}
     if "draft" in result:
-        result["summary"]["draft_over_decode"] = statistics.median(
-            result["draft"]["draft_ms"]) / decode
+        draft = result["draft"]
+        result["summary"]["draft_over_decode"] = statistics.median(draft["draft_ms"]) / decode
+        result["summary"]["draft_floor_ms"] = draft["floor_ms"]
+        result["summary"]["draft_floor_over_decode"] = draft["floor_ms"] / decode
+        if "draft_replay_queued_ms" in draft:
+            result["summary"]["draft_graph_ms"] = statistics.median(
+                draft["draft_replay_queued_ms"])
     for key in ("mixed", "mixed_eager", "verify_eager", "decode_eager"):
         if f"{key}_ms" in result["target"]:
             result["summary"][f"{key}_ms"] = statistics.median(result["target"][f"{key}_ms"])

@@ -44,6 +44,13 @@ def test_step_costs_bench_runs_on_cpu(tmp_path):
     assert result["target"]["backend"] == "torch" and not result["target"]["graphs"]
     summary = result["summary"]
     assert summary["verify_over_decode"] > 0 and summary["draft_over_decode"] > 0
+    # the draft's floor, counted by hand for the built-in head (H 256, I 512, 4 heads of 64,
+    # 2 KV heads, 1024 draft ids, target H 256), float32, 5 levels: fc once, then qkv (over
+    # 2H), o_proj, the MLP and lm_head once a level
+    one_level = 512 * 512 + 256 * 256 + 3 * 256 * 512 + 1024 * 256
+    floor = 1000 * (256 * 768 + 5 * one_level) * 4 / 4.5e12
+    assert summary["draft_floor_ms"] == pytest.approx(floor)
+    assert summary["draft_floor_over_decode"] == pytest.approx(floor / summary["decode_ms"])
 
 
 @pytest.mark.slow

@@ -85,5 +85,5 @@ runs = [{"run": p.stem, **json.loads(p.read_text())}
         for p in sorted(pathlib.Path("/tmp/costs").glob("*.json"))]
 pathlib.Path(sys.argv[1]).write_text(json.dumps(runs, indent=1))
 PY
-grep -E "^layout |: rc [0-9]+$|us_per_layer|^target (decode|verify):|replay|^draft tree \(" "$OUT/ab.log"
+grep -E "^layout |: rc [0-9]+$|us_per_layer|^target (decode|verify):|replay|^draft (tree|graph) \(" "$OUT/ab.log"
 save_kernel_cache
