@@ -19,6 +19,16 @@ import triton
 import triton.language as tl
 
 BLOCK = 128  # columns (of H_kv * D) a program moves per slot
+# The fewest moves a program's tile holds: the move count is a compile-time constant, and a
+# verify step moves 1 to depth nodes, so without a floor each new power of two compiled a
+# variant while serving (1, 2, 4, 8, ...); with it, every step of a tree up to 16 nodes deep
+# takes the one variant the warm-up compiles.
+MIN_MOVES = 16
+
+
+def moves_block(num: int) -> int:
+    """The tile's move count for ``num`` moves: a power of two, at least MIN_MOVES."""
+    return max(MIN_MOVES, triton.next_power_of_2(num))
 
 
 @triton.jit
@@ -54,4 +64,4 @@ def compact_kv(data: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None
     width = kv_heads * dim
     grid = (layers * 2, triton.cdiv(width, BLOCK))
     _compact_kernel[grid](data, src.contiguous(), dst.contiguous(), num, num_pages, PAGE=page,
-                          WIDTH=width, MOVES=triton.next_power_of_2(num), BLOCK_COLS=BLOCK)
+                          WIDTH=width, MOVES=moves_block(num), BLOCK_COLS=BLOCK)
