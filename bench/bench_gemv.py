@@ -74,17 +74,17 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
     """The projections a checkpoint's model multiplies by (fused q/k/v and gate/up), named
     after the checkpoint's folder: a Llama target's or an EAGLE-3 head's."""
     raw = read_hf_config(model_dir)
-    eagle3 = any(a in EAGLE3_ARCHITECTURES for a in raw.get("architectures") or [])
-    cfg = Eagle3Config.from_hf(raw).layer if eagle3 else LlamaConfig.from_hf(raw)
+    head = (Eagle3Config.from_hf(raw)
+            if any(a in EAGLE3_ARCHITECTURES for a in raw.get("architectures") or []) else None)
+    cfg = head.layer if head else LlamaConfig.from_hf(raw)
     h = cfg.hidden_size
     shapes = {
-        "qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, 2 * h if eagle3 else h),
+        "qkv": ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, 2 * h if head else h),
         "o_proj": (h, cfg.num_heads * cfg.head_dim),
         "gate_up": (2 * cfg.intermediate_size, h),
         "down": (h, cfg.intermediate_size),
     }
-    if eagle3:
-        head = Eagle3Config.from_hf(raw)
+    if head:  # its layer reads [embedding | hidden]; fc fuses three target features
         shapes |= {"fc": (h, 3 * head.target_hidden_size), "lm_head": (head.draft_vocab_size, h)}
     else:
         shapes["lm_head"] = (cfg.vocab_size, h)
