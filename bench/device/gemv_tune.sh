@@ -5,8 +5,8 @@
 # Three runs of bench/bench_gemv.py, each skipped when its variable is "skip":
 #   ONE     the EAGLE-3 head's own shapes at one row (draft_qkv, draft_fc, draft_lm_head;
 #           its o_proj, gate_up and down are the target's, tuned in session 20): ~120 s
-#   TARGET  the target's projections at 4, 9 and 16 rows (a verify of an 8-node tree is 9
-#           rows; all pad to 16): ~250 s
+#   TARGET  the target's projections, lm_head too, at 4, 9 and 16 rows (a verify of an
+#           8-node tree is 9 rows; all pad to 16): ~250 s
 #   HEAD    the head's own shapes at 4 and 6 rows (a tree level of topk 4; the catch-up
 #           chain of depth 5 is 6 rows; its other projections pad to 16 rows as the
 #           target's do, so TARGET's lines serve them): ~170 s
@@ -26,7 +26,7 @@ tune() {  # name, seconds, bench_gemv options...
     grep -E "^(# )?(ROW_)?CONFIGS" "$OUT/gemv_$name.log" >> "$OUT/configs.txt"
 }
 [ "${ONE:-}" = skip ] || tune one 120 --shapes draft_qkv,draft_fc,draft_lm_head --rows 1
-[ "${TARGET:-}" = skip ] || tune target 250 --shapes qkv,o_proj,gate_up,down --rows 4,9,16
+[ "${TARGET:-}" = skip ] || tune target 250 --shapes qkv,o_proj,gate_up,down,lm_head --rows 4,9,16
 [ "${HEAD:-}" = skip ] || tune head 170 --shapes draft_qkv,draft_fc,draft_lm_head --rows 4,6
 # shellcheck disable=SC2086  # EXTRA is a list of options
 [ -z "${EXTRA:-}" ] || tune extra 150 --shapes "" $EXTRA
