@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -92,14 +93,10 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, int]]:
 
 
 def parse_shape(text: str) -> tuple[str, tuple[int, int]]:
-    name, _, dims = text.partition("=")
-    try:
-        n, k = (int(v) for v in dims.split(","))
-    except ValueError:
-        n = k = 0
-    if not name or n < 1 or k < 1:
+    found = re.fullmatch(r"([\w.-]+)=([1-9]\d*),([1-9]\d*)", text.strip())
+    if found is None:
         raise argparse.ArgumentTypeError(f"need NAME=N,K with positive N and K, got {text!r}")
-    return name, (n, k)
+    return found[1], (int(found[2]), int(found[3]))
 
 
 def graph_of(calls: Callable[[], None]) -> torch.cuda.CUDAGraph:

@@ -115,3 +115,11 @@ def test_gemv_bench_reads_a_checkpoints_projections(tmp_path):
         "head_down": (64, 96), "head_fc": (64, 192), "head_lm_head": (80, 64),
         "t_qkv": (128, 64), "t_o_proj": (64, 64), "t_gate_up": (192, 64), "t_down": (64, 96),
         "t_lm_head": (96, 64)}
+
+
+@pytest.mark.parametrize("option", [["--shape", "mine=0,64"], ["--shape", "mine=64"],
+                                    ["--rows", "65"], ["--shapes", "nope"]])
+def test_gemv_bench_refuses_bad_options(option):
+    done = subprocess.run([sys.executable, "bench/bench_gemv.py", "--device", "cpu", *option],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "error:" in done.stderr, done.stderr
