@@ -29,7 +29,11 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
         log.info("gateway stream %d opened by %s", stream_id, context.peer())
         threading.Thread(target=self._pump, args=(stream_id, request_iterator), daemon=True,
                          name=f"serve-{stream_id}").start()
-        context.add_callback(lambda: self.engine.close_stream(stream_id))
+        def ended() -> None:  # the call is over (the gateway left, or this server stops):
+            self.engine.close_stream(stream_id)
+            outbox.put(None)  # this thread stops waiting, whether or not the engine still runs
+
+        context.add_callback(ended)
         while (event := outbox.get()) is not None:
             yield event
         if self.engine.failure:

@@ -287,3 +287,23 @@ def test_seeded_sampling_reproduces_with_and_without_speculation(eagle_stack):
     # A seed fixes the draw at every position, so speculation cannot change the text.
     assert sample(7) == sample(7) == sample(7, OFF)
     assert len({tuple(sample(seed)) for seed in range(4)}) > 1
+
+
+@pytest.mark.parametrize("first", ["target_service", "draft_service", "gateway"])
+def test_each_service_stops_promptly_on_sigterm_with_its_streams_open(logs, first):
+    """SIGTERM (docker compose stop, splitspec up's Ctrl-C) to one service of a live stack,
+    its streams to the others still open: it exits 0 within seconds, and then so do the
+    others. A handler thread still waiting for events of a stopped engine kept the target
+    alive after its server stopped (the interpreter joins gRPC's worker threads at exit)."""
+    stack = start_stack(logs, [], gateway_args=TREE)
+    by_module = {service.module: service for service in stack}
+    try:
+        generate(gateway_stub(by_module["gateway"]), PROMPTS[0], ON)  # the streams in use
+        order = [by_module[first], *(s for s in reversed(stack) if s.module != first)]
+        for service in order:
+            service.proc.terminate()
+            code, _ = service.wait_exit(timeout_s=15)
+            assert code == 0, f"{service.module} exited {code}:\n{service.log}"
+    finally:
+        for service in stack:
+            service.stop()
