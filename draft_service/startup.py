@@ -1,8 +1,10 @@
 """The draft's start-up steps. Each returns a finished part; the drafter is built from them.
 
-Steps, in order: load_config, load_model, allocate_kv_cache,
+Steps, in order: load_config, bind_port, load_model, allocate_kv_cache,
 init_attention_backend, capture_cuda_graphs, warmup, start_server. Health
-turns SERVING in __main__ only after all of them. The replay draft runs the
+turns SERVING in __main__ only after all of them. The port is bound second, so
+a taken port fails start-up in seconds, not after the model is loaded; nothing
+is served on it before start_server. The replay draft runs the
 same steps (:func:`build_replay`): load_model reads its records, and the steps
 for a model's cache, attention and graphs do nothing.
 """
@@ -48,7 +50,7 @@ from splitspec.sampling import SamplingParams
 from splitspec.tree import tree_error
 from splitspec.v1 import draft_pb2, draft_pb2_grpc
 
-STEPS = ["load_config", "load_model", "allocate_kv_cache", "init_attention_backend",
+STEPS = ["load_config", "bind_port", "load_model", "allocate_kv_cache", "init_attention_backend",
          "capture_cuda_graphs", "warmup", "start_server"]
 WARMUP_TOKENS = 12
 WARMUP_TREE = TreeShape(num_draft_tokens=8, topk=4, num_steps=4)
@@ -178,12 +180,18 @@ def warmup(drafter: BaseDrafter) -> Detailed:
                     f"{time.perf_counter() - started:.2f}s")
 
 
-def start_server(cfg: DraftConfig, spec: DraftSpec, drafter: BaseDrafter, startup: Startup
-                 ) -> Detailed:
-    servicer = DraftServicer(drafter, draft_info(spec, cfg.max_context, cfg.sampled_trees), startup.report,
-                             draft_fault_from_env())
+def bind_port(cfg: DraftConfig) -> Detailed:
+    """The gRPC server, its port bound (a taken port fails here, in seconds, not after the
+    model is loaded) but not served before start_server."""
     name = draft_pb2.DESCRIPTOR.services_by_name["Draft"].full_name
     server = ServiceServer(cfg.address, GRPC_WORKERS, [name])
+    return Detailed(server, f"{cfg.host}:{server.port} held; served from start_server on")
+
+
+def start_server(server: ServiceServer, cfg: DraftConfig, spec: DraftSpec, drafter: BaseDrafter,
+                 startup: Startup) -> Detailed:
+    servicer = DraftServicer(drafter, draft_info(spec, cfg.max_context, cfg.sampled_trees), startup.report,
+                             draft_fault_from_env())
     draft_pb2_grpc.add_DraftServicer_to_server(servicer, server.server)
     server.start()
     fault = f" (injecting {servicer.fault})" if servicer.fault else ""
@@ -193,8 +201,20 @@ def start_server(cfg: DraftConfig, spec: DraftSpec, drafter: BaseDrafter, startu
 def build(cfg: DraftConfig, startup: Startup) -> Built:
     """Run every step; raises InitFailed at the first that fails."""
     spec = startup.step("load_config", load_config, cfg)
-    if spec.kind == REPLAY:
-        return build_replay(cfg, spec, startup)
+    server: ServiceServer = startup.step("bind_port", bind_port, cfg)
+    served = False
+    try:
+        built = (build_replay if spec.kind == REPLAY else build_model)(cfg, spec, startup, server)
+        served = True
+        return built
+    finally:
+        if not served:  # start-up failed after bind_port: the port goes back
+            server.release()
+
+
+def build_model(cfg: DraftConfig, spec: DraftSpec, startup: Startup, server: ServiceServer
+                ) -> Built:
+    """The steps after bind_port for a draft model (EAGLE-3 head or standalone)."""
     model = startup.step("load_model", load_model, cfg, spec)
     cache, pool = startup.step("allocate_kv_cache", allocate_kv_cache, cfg, model)
     backend: AttentionBackend = startup.step("init_attention_backend", init_attention_backend, cfg, model)
@@ -202,7 +222,7 @@ def build(cfg: DraftConfig, startup: Startup) -> Built:
     limits = drafter_limits(cfg)
     drafter = startup.step("warmup", built_and_warm,
                            lambda: Drafter(model, cache, pool, backend, limits, search))
-    server = startup.step("start_server", start_server, cfg, spec, drafter, startup)
+    startup.step("start_server", start_server, server, cfg, spec, drafter, startup)
     return Built(drafter, server)
 
 
@@ -229,8 +249,9 @@ def no_op(why: str) -> Detailed:
     return Detailed(None, f"no-op: {why}")
 
 
-def build_replay(cfg: DraftConfig, spec: DraftSpec, startup: Startup) -> Built:
-    """The steps after load_config for the replay draft: the same names as a model's."""
+def build_replay(cfg: DraftConfig, spec: DraftSpec, startup: Startup, server: ServiceServer
+                 ) -> Built:
+    """The steps after bind_port for the replay draft: the same names as a model's."""
     book = startup.step("load_model", load_records, spec)
     startup.step("allocate_kv_cache", no_op, "the replay draft holds no KV cache")
     startup.step("init_attention_backend", no_op, "the replay draft runs no attention")
@@ -238,5 +259,5 @@ def build_replay(cfg: DraftConfig, spec: DraftSpec, startup: Startup) -> Built:
     limits = drafter_limits(cfg)
     drafter = startup.step("warmup", built_and_warm, lambda: ReplayDrafter(
         book, cfg.replay_corrupt_rate, spec.vocab_size, limits))
-    server = startup.step("start_server", start_server, cfg, spec, drafter, startup)
+    startup.step("start_server", start_server, server, cfg, spec, drafter, startup)
     return Built(drafter, server)

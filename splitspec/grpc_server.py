@@ -129,6 +129,7 @@ class ServiceServer:
         if self.port == 0:
             raise OSError(f"cannot listen on {address}: the port is taken or the address invalid")
         self.address = address
+        self._started = False
 
     def _set_all(self, status: int) -> None:
         self.health.set("", status)
@@ -136,6 +137,7 @@ class ServiceServer:
             self.health.set(name, status)
 
     def start(self) -> None:
+        self._started = True  # first: a start that raised is not tried again by release
         self.server.start()
 
     def set_serving(self) -> None:
@@ -147,6 +149,14 @@ class ServiceServer:
     def stop(self, grace_s: float = 2.0) -> None:
         self.set_not_serving()
         self.server.stop(grace_s).wait()
+
+    def release(self) -> None:
+        """Give back the port of a server that never started (start-up failed after binding
+        it): gRPC keeps such a port until the process exits, so it is started and stopped at
+        once (health says NOT_SERVING meanwhile)."""
+        if not self._started:
+            self.start()
+        self.stop(0)
 
 
 def wait_for_serving(address: str, timeout_s: float, what: str,

@@ -1,16 +1,18 @@
 """The target's start-up steps. Each returns a finished part; the engine is built from them.
 
-Steps, in order: load_config, init_distributed, load_model, allocate_kv_cache,
-init_attention_backend, connect_draft, capture_cuda_graphs, warmup,
-start_server. Health turns SERVING in __main__ only after all of them. The
-draft is connected before the graphs are captured because they capture the
-layer inputs that draft reads (and no others).
+Steps, in order: load_config, bind_port, init_distributed, load_model,
+allocate_kv_cache, init_attention_backend, connect_draft, capture_cuda_graphs,
+warmup, start_server. Health turns SERVING in __main__ only after all of them.
+The port is bound second, so a taken port fails start-up in seconds, not after
+the model is loaded; nothing is served on it before start_server. The draft is
+connected before the graphs are captured because they capture the layer inputs
+that draft reads (and no others).
 
-With tensor parallelism every rank runs the first seven (:func:`build_rank`)
-on its shard, ranks 1..N-1 skipping connect_draft (only rank 0 talks to the
-draft); they then skip the last two (only rank 0 serves the gateway) and serve
-rank 0's calls (:func:`run_rank`), while rank 0 waits for all of them in its
-warmup step before driving any call.
+With tensor parallelism every rank runs load_config and then init_distributed
+to capture_cuda_graphs (:func:`build_rank`) on its shard, ranks 1..N-1 skipping
+bind_port and connect_draft (only rank 0 serves the gateway and talks to the
+draft); they then skip the last two and serve rank 0's calls (:func:`run_rank`),
+while rank 0 waits for all of them in its warmup step before driving any call.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ from target_service.servicer import TargetServicer
 
 log = logging.getLogger(__name__)
 
-STEPS = ["load_config", "init_distributed", "load_model", "allocate_kv_cache",
+STEPS = ["load_config", "bind_port", "init_distributed", "load_model", "allocate_kv_cache",
          "init_attention_backend", "connect_draft", "capture_cuda_graphs", "warmup", "start_server"]
 # What ranks 1..N-1 do not run, and why.
-RANK_SKIPS = {"warmup": "rank 0 drives warmup; this rank runs its calls",
+RANK_SKIPS = {"bind_port": "only rank 0 serves gRPC",
+              "warmup": "rank 0 drives warmup; this rank runs its calls",
               "start_server": "only rank 0 serves gRPC"}
 WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 WARMUP_NEW_TOKENS = 8
@@ -344,12 +347,17 @@ def warmup(engine: Engine, draft_info: draft_pb2.DraftInfo | None,
     return Detailed(None, f"{ranks}plain, tree and chain {agree}, greedy and sampled{notes}")
 
 
-def start_server(cfg: TargetConfig, servicer: TargetServicer) -> Detailed:
+def bind_port(cfg: TargetConfig) -> Detailed:
+    """Rank 0's gRPC server, its port bound (a taken port fails here) but not yet served."""
     server = ServiceServer(cfg.address, max_workers=16,
                            service_names=[target_pb2.DESCRIPTOR.services_by_name["Target"].full_name])
+    return Detailed(server, f"{cfg.address} held; served from start_server on")
+
+
+def start_server(server: ServiceServer, servicer: TargetServicer) -> Detailed:
     target_pb2_grpc.add_TargetServicer_to_server(servicer, server.server)
     server.start()
-    return Detailed(server, f"listening on {cfg.address}")
+    return Detailed(server, f"listening on {server.address}")
 
 
 class Built(NamedTuple):
@@ -367,11 +375,15 @@ class RankParts(NamedTuple):
 
 
 def build_rank(cfg: TargetConfig, startup: Startup, where: Placement,
-               connect: Callable[[ModelSpec], Draft | None] | None = None) -> RankParts:
+               connect: Callable[[ModelSpec], Draft | None] | None = None,
+               bind: Callable[[], object] | None = None) -> RankParts:
     """The steps every rank runs: config, process group, its shard, its cache, attention,
-    graphs. ``connect`` (rank 0's) runs connect_draft before the graphs, which capture the
-    layer inputs that draft reads; the other ranks skip it."""
+    graphs. Rank 0's ``bind`` runs bind_port right after the config, and its ``connect``
+    connect_draft before the graphs, which capture the layer inputs that draft reads; the
+    other ranks skip both."""
     spec: ModelSpec = startup.step("load_config", load_config, cfg, where)
+    if bind is not None:
+        bind()
     tp: TP = startup.step("init_distributed", init_distributed, cfg, where)
     device = where.device(cfg.device)
     model: LlamaForCausalLM = startup.step("load_model", load_model, cfg, tp.group, device)
@@ -434,7 +446,26 @@ def build(cfg: TargetConfig, startup: Startup, start_engine: Callable[[Engine], 
         startup.skip("connect_draft", "no --draft given: plain decoding only")
         return None
 
-    parts = build_rank(cfg, startup, where, connect)
+    bound: list[ServiceServer] = []
+
+    def bind() -> None:
+        bound.append(startup.step("bind_port", bind_port, cfg))
+
+    served = False
+    try:
+        parts = build_rank(cfg, startup, where, connect, bind)
+        built = start_rank0(cfg, startup, parts, bound[0], start_engine, where, wait_ranks)
+        served = True
+        return built
+    finally:
+        if bound and not served:  # start-up failed after bind_port: the port goes back
+            bound[0].release()
+
+
+def start_rank0(cfg: TargetConfig, startup: Startup, parts: RankParts, server: ServiceServer,
+                start_engine: Callable[[Engine], None], where: Placement,
+                wait_ranks: Callable[[], None]) -> Built:
+    """Rank 0's steps after the graphs: the engine, warmup, then serving on ``server``."""
     spec, draft = parts.spec, parts.draft
 
     def ranks_ready() -> str:
@@ -466,5 +497,5 @@ def build(cfg: TargetConfig, startup: Startup, start_engine: Callable[[Engine], 
         draft_report=draft.report if draft else None,
         draft_model_name=draft.link.info.model_name if draft else "")
     servicer = TargetServicer(engine, info, startup.report)
-    server = startup.step("start_server", start_server, cfg, servicer)
+    server = startup.step("start_server", start_server, server, servicer)
     return Built(engine, server, draft)

@@ -4,19 +4,20 @@ its report names the step and the error, and health never said SERVING."""
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 from grpc_health.v1 import health_pb2
 
-from tests.stack import Service
+from tests.stack import Service, free_port
 
 pytestmark = pytest.mark.slow
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
-TARGET_STEPS = ["load_config", "init_distributed", "load_model", "allocate_kv_cache",
+TARGET_STEPS = ["load_config", "bind_port", "init_distributed", "load_model", "allocate_kv_cache",
                 "init_attention_backend", "connect_draft", "capture_cuda_graphs", "warmup",
                 "start_server"]
-DRAFT_STEPS = ["load_config", "load_model", "allocate_kv_cache", "init_attention_backend",
+DRAFT_STEPS = ["load_config", "bind_port", "load_model", "allocate_kv_cache", "init_attention_backend",
                "capture_cuda_graphs", "warmup", "start_server"]
 GATEWAY_STEPS = ["load_config", "load_tokenizer", "start_server", "connect_target", "open_stream",
                  "warmup"]
@@ -139,3 +140,41 @@ def test_graph_tree_sizes_default_to_the_tree_and_the_small_chain():
     assert TargetConfig().verify_graph_sizes == (3, 8)
     assert TargetConfig(num_draft_tokens=2).verify_graph_sizes == (2, 3)
     assert TargetConfig(graph_tree_sizes="8, 2,8").verify_graph_sizes == (2, 8)
+
+
+@pytest.mark.parametrize("module", ["target_service", "draft_service"])
+def test_a_taken_port_fails_bind_port_before_the_model_loads(module, draft, tmp_path):
+    """The port is bound second: a port another process holds fails start-up before any
+    weights are read (it failed start_server, the last step, after warmup)."""
+    report = tmp_path / "report.json"
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        args = ["--draft", draft.address] if module == "target_service" else []
+        service = Service(module, [*args, "--init-report", str(report)], tmp_path, port=port)
+        code, seen = service.wait_exit(timeout_s=60)
+    assert code != 0 and SERVING not in seen
+    steps = {s["name"]: s for s in json.loads(report.read_text())["steps"]}
+    assert steps["bind_port"]["state"] == "FAILED", steps
+    assert str(port) in steps["bind_port"]["error_message"]
+    assert steps["load_model"]["state"] == "PENDING"
+
+
+def test_a_failed_start_up_gives_its_port_back(monkeypatch):
+    """In process: load_model fails after bind_port has bound the port; build gives it back
+    (gRPC keeps a bound port that never served until the process exits), so a second
+    server can bind it at once."""
+    from draft_service.__main__ import parse_args
+    from draft_service.startup import STEPS, build
+    from splitspec.grpc_server import ServiceServer
+    from splitspec.init_report import InitFailed, Startup
+
+    port = free_port()
+    cfg = parse_args(["--port", str(port)])
+    monkeypatch.setenv("SPLITSPEC_INJECT_INIT_FAULT", "load_model")
+    startup = Startup("draft", STEPS)
+    with pytest.raises(InitFailed):
+        build(cfg, startup)
+    assert startup.report.failed_step.name == "load_model"
+    ServiceServer(f"127.0.0.1:{port}", 1, []).release()  # raises if the port were still held

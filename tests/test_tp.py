@@ -274,7 +274,7 @@ def test_tp2_greedy_output_equals_tp1_with_and_without_speculation(draft, tmp_pa
         assert tokens == reference, key
 
 
-STEPS = ["load_config", "init_distributed", "load_model", "allocate_kv_cache",
+STEPS = ["load_config", "bind_port", "init_distributed", "load_model", "allocate_kv_cache",
          "init_attention_backend", "connect_draft", "capture_cuda_graphs", "warmup",
          "start_server"]
 
