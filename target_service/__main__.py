@@ -21,6 +21,10 @@ from target_service.engine import Engine
 from target_service.ranks import RankSet, free_address
 from target_service.startup import STEPS, Placement, build, run_rank
 
+# How long a failed step waits for the rank watcher to report a rank that died, which is
+# then the failure every stream reports (the collective's own error names no rank).
+SETTLE_LOST_RANK_S = 2.0
+
 log = logging.getLogger("target_service")
 
 
@@ -91,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ranks.on_lost = rank_lost
         ranks.serving = True
+        built.engine.settle_failure = lambda: ranks.wait_lost(SETTLE_LOST_RANK_S)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     write_report(startup.report, cfg.init_report)

@@ -182,6 +182,10 @@ class Engine:
         self._pending: dict[int, list[target_pb2.TokenDelta]] = {}  # stream id -> deltas to send
         self._lock = threading.Lock()
         self.failure = ""  # why the engine cannot serve any more (see abort)
+        # Called when a step fails, before requests and streams end: under --tp, waits for the
+        # rank watcher to report a rank that died, so that its abort names the cause (a
+        # collective's error names no rank).
+        self.settle_failure: Callable[[], object] | None = None
 
     # ---- thread-safe entry points -------------------------------------------------------
 
@@ -196,8 +200,11 @@ class Engine:
     def abort(self, message: str) -> None:
         """Thread-safe: the engine cannot go on (a rank died). Every stream ends now and its
         gRPC call fails with UNAVAILABLE and ``message``; the step loop is left alone (it
-        may be blocked in a collective with the dead rank)."""
-        self._end_streams(message)
+        may be blocked in a collective with the dead rank). Its message replaces the step's
+        own failure (a collective's error names no rank; this names the one that died)."""
+        with self._lock:
+            self.failure = message
+        self._end_streams()
 
     def submit(self, stream_id: int, request: target_pb2.ServeRequest) -> None:
         self._inbox.put((stream_id, request))
@@ -276,7 +283,11 @@ class Engine:
             self.runner.stop()
         except Exception as exc:  # the engine is broken: fail requests, report, let main exit
             log.exception("engine step failed; failing all requests")
-            self._fail_all(f"target engine failed: {type(exc).__name__}: {exc}")
+            if self.settle_failure is not None:
+                self.settle_failure()  # a rank that died behind this error is the cause
+            with self._lock:  # an abort (a rank died) named the cause already: keep it
+                self.failure = self.failure or f"target engine failed: {type(exc).__name__}: {exc}"
+            self._fail_all(self.failure)
             on_crash(exc)
 
     def _drain_inbox(self, block: bool) -> None:
@@ -364,13 +375,13 @@ class Engine:
         for seq in list(self._by_request.values()):
             self._emit(seq, [], common_pb2.FINISH_REASON_ERROR, message)
         self._flush()
-        self._end_streams(message)
+        self._end_streams()
 
-    def _end_streams(self, message: str) -> None:
-        """The engine cannot serve any more: every stream ends, and one opened later ends at
-        once (under the lock that open_stream takes, so no stream is missed)."""
+    def _end_streams(self) -> None:
+        """The engine cannot serve any more (``failure`` says why): every stream ends, and one
+        opened later ends at once (open_stream reads ``failure`` under the same lock, so no
+        stream is missed)."""
         with self._lock:
-            self.failure = message
             for stream in self._streams.values():
                 stream.outbox.put(None)
 

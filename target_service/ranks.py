@@ -73,6 +73,7 @@ class RankSet:
         self.failed = threading.Event()
         self.serving = False
         self.on_lost: Callable[[str], None] | None = None
+        self._lost = threading.Event()  # a rank died while serving (on_lost has run)
         self._stopping = False
         self._abort_lock = threading.Lock()
         ctx = multiprocessing.get_context("spawn")
@@ -134,6 +135,7 @@ class RankSet:
             log.error("%s", message)
             if self.on_lost is not None:
                 self.on_lost(message)
+            self._lost.set()
             return
         report = self.reports[rank]
         running = next((s for s in report.steps if s.state is StepState.RUNNING), None)
@@ -168,6 +170,11 @@ class RankSet:
         while time.monotonic() < deadline and not self.failed.is_set():
             time.sleep(0.05)
         self._abort(describe_failure(self.own))
+
+    def wait_lost(self, timeout_s: float) -> bool:
+        """Whether a rank died while serving, waiting up to ``timeout_s`` for the watcher to
+        see it (rank 0's engine fails in a collective at about the moment a rank dies)."""
+        return self._lost.wait(timeout_s)
 
     def stopping(self) -> None:
         """Rank 0 is shutting down: ranks that exit from now on are not failures."""

@@ -153,6 +153,24 @@ def test_a_stream_opened_after_the_engine_failed_ends_at_once_with_the_cause():
                                        "out of device memory in step 2")
 
 
+def test_a_rank_that_died_behind_a_failed_step_is_the_cause_every_stream_reports():
+    """Under --tp a collective fails on rank 0 at about the moment another rank dies: the
+    failed step waits for the rank watcher (settle_failure), whose abort names the rank, and
+    that message, not the collective's, ends the streams."""
+    crashes = []
+    engine, outbox = _failing_engine()
+    engine.settle_failure = lambda: engine.abort("target rank 1 died (exit code -9)")
+    thread = threading.Thread(target=engine.run, args=(threading.Event(), crashes.append),
+                              daemon=True)
+    thread.start()
+    thread.join(5)
+    assert [type(e) for e in crashes] == [MemoryError]
+    assert engine.failure == "target rank 1 died (exit code -9)"
+    while outbox.get(timeout=5) is not None:  # the gateway's stream ends
+        pass
+    assert _generate_error(engine) == "generation failed: target rank 1 died (exit code -9)"
+
+
 class SlowRunner(NullRunner):
     def forward(self, batch):
         time.sleep(0.01)
