@@ -68,6 +68,20 @@ def parse_ints(text: str) -> list[int]:
     return values
 
 
+def graph_of(calls: Callable[[], None]) -> torch.cuda.CUDAGraph:
+    """``calls`` captured in a CUDA graph, after one run on a side stream (kernels compiled
+    and loaded outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        calls()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        calls()
+    return graph
+
+
 def time_graph(graph: torch.cuda.CUDAGraph, replays: int, rounds: int) -> float:
     """Median over ``rounds`` of the device milliseconds per replay, ``replays`` queued."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -128,14 +142,7 @@ def measure(variant: str, batch: int, context: int, args: argparse.Namespace,
         for layer in range(args.layers):
             outs[layer].copy_(run(cache[layer]))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        forward()  # warm: kernels loaded before capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
+    graph = graph_of(forward)
     for _ in range(args.warmup):
         graph.replay()
     torch.cuda.synchronize()
