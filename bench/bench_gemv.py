@@ -175,18 +175,13 @@ def row_configs(results: list[dict]) -> dict[tuple[int, int, int], tuple[dict | 
             by_pad.setdefault((padded_rows(r["rows"]), r["n"], r["k"]), []).append(r)
     chosen = {}
     for key, mine in by_pad.items():
+        us = {(r["variant"], r["rows"]): r["us_per_call"] for r in mine}
         counts = sorted({r["rows"] for r in mine})
-        labels = {r["variant"] for r in mine if r["config"]}
-        totals = {lab: sum(r["us_per_call"] for r in mine if r["variant"] == lab)
-                  for lab in labels}
-        label = min(totals, key=totals.get)
-        wins = all(
-            next(r for r in mine if r["rows"] == c and r["variant"] == label)["us_per_call"]
-            < next(r for r in mine if r["rows"] == c and r["variant"] == "torch")["us_per_call"]
-            for c in counts)
-        config = next(r["config"] for r in mine if r["variant"] == label)
+        configs = {r["variant"]: r["config"] for r in mine if r["config"]}
+        label = min(configs, key=lambda v: sum(us[v, c] for c in counts))
+        wins = all(us[label, c] < us["torch", c] for c in counts)
         note = f"{mine[0]['shape']}, rows {','.join(map(str, counts))}"
-        chosen[key] = (config if wins else None, note)
+        chosen[key] = (configs[label] if wins else None, note)
     return chosen
 
 

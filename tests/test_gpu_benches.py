@@ -123,3 +123,22 @@ def test_gemv_bench_refuses_bad_options(option):
     done = subprocess.run([sys.executable, "bench/bench_gemv.py", "--device", "cpu", *option],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "error:" in done.stderr, done.stderr
+
+
+def test_gemv_bench_lists_a_row_config_only_where_it_beat_torch_at_every_row_count():
+    sys.path.insert(0, str(REPO / "bench"))
+    from bench_gemv import row_configs
+
+    def result(variant, rows, us, config=None):
+        return {"variant": variant, "rows": rows, "us_per_call": us, "config": config,
+                "n": 64, "k": 64, "shape": "s"}
+
+    a, b = {"block_n": 16}, {"block_n": 32}
+    # b: the least total (18.5 us against 19) and ahead of torch at 4 rows and at 9
+    assert row_configs([result("torch", 4, 10), result("a", 4, 8, a), result("b", 4, 9, b),
+                        result("torch", 9, 10), result("a", 9, 11, a), result("b", 9, 9.5, b)]
+                       ) == {(16, 64, 64): (b, "s, rows 4,9")}
+    # a: the least total, but behind torch at 9 rows: not listed
+    assert row_configs([result("torch", 4, 10), result("a", 4, 8, a), result("b", 4, 9.5, b),
+                        result("torch", 9, 10), result("a", 9, 10.5, a),
+                        result("b", 9, 10.2, b)]) == {(16, 64, 64): (None, "s, rows 4,9")}
