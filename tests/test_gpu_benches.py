@@ -104,11 +104,10 @@ def test_gemv_bench_reads_a_checkpoints_projections(tmp_path):
     """--model: an EAGLE-3 head's projections (its layer reads 2H; fc 3 target widths; its own
     vocabulary), named after its folder."""
     from splitspec.builtin import build
+    from tests.kernel_cases import WIRED, WIRED_DRAFT_VOCAB
 
-    target = build.write_llama(tmp_path / "t", {
-        "vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}, seed=3)
-    head = build.write_eagle3_head(tmp_path / "head", target, draft_vocab_size=80)
+    target = build.write_llama(tmp_path / "t", WIRED, seed=3)
+    head = build.write_eagle3_head(tmp_path / "head", target, draft_vocab_size=WIRED_DRAFT_VOCAB)
     results, _ = run_gemv_bench("--shapes", "", "--model", str(head), "--model", str(target))
     assert {r["shape"]: (r["n"], r["k"]) for r in results} == {
         "head_qkv": (128, 128), "head_o_proj": (64, 64), "head_gate_up": (192, 64),
