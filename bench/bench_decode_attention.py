@@ -29,13 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from graph_timing import graph_of, parse_ints, time_graph
 
 from splitspec.attention.decode_table import splits_for
 from splitspec.attention.flashinfer_backend import WORKSPACE_BYTES, import_flashinfer
@@ -59,41 +59,6 @@ def triton_settings(variant: str) -> tuple[int, int | None]:
     """A Triton variant's keys per block and its split (None: ``splits_for``'s)."""
     name, _, split = variant.partition("-s")
     return int(name.removeprefix("triton") or 32), int(split) if split else None
-
-
-def parse_ints(text: str) -> list[int]:
-    values = [int(v) for v in text.split(",") if v.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"need positive integers, got {text!r}")
-    return values
-
-
-def graph_of(calls: Callable[[], None]) -> torch.cuda.CUDAGraph:
-    """``calls`` captured in a CUDA graph, after one run on a side stream (kernels compiled
-    and loaded outside the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
-    return graph
-
-
-def time_graph(graph: torch.cuda.CUDAGraph, replays: int, rounds: int) -> float:
-    """Median over ``rounds`` of the device milliseconds per replay, ``replays`` queued."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(rounds):
-        start.record()
-        for _ in range(replays):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays)
-    return statistics.median(times)
 
 
 def attention(variant: str, batch: int, context: int, args: argparse.Namespace,

@@ -32,8 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from bench_decode_attention import graph_of, time_graph
-from bench_decode_attention import parse_ints as ints
+from graph_timing import graph_of, time_graph
+from graph_timing import parse_ints as ints
 
 from splitspec.kernels.gemv import MAX_ROWS, GemvConfig, few_rows, gemv, padded_rows
 from splitspec.model.config import (

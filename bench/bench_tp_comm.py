@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from graph_timing import graph_of
 
 from splitspec.attention.base import SeqAttention
 from splitspec.kv_cache import PageTable
@@ -74,14 +75,7 @@ def rank_main(rank: int, args: argparse.Namespace, address: str, out: Path) -> N
     step()  # the communicator's first use, outside any capture
     sync()
     if cuda:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
+        graph = graph_of(step)
         result["graph_step_ms"] = timed(graph.replay, args.iters, sync)
     result["eager_step_ms"] = timed(step, args.iters, sync)
     channel = CallChannel(control)
