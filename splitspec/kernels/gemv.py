@@ -44,11 +44,23 @@ CONFIGS: dict[tuple[int, int], GemvConfig | None] = {  # H200, Llama-3-8B's shap
     (28672, 4096): GemvConfig(16, 256, 4),  # gate_up
     (4096, 14336): GemvConfig(4, 512, 4),  # down
     (128256, 4096): GemvConfig(4, 1024, 8),  # lm_head
+    # the EAGLE-3 head's own shapes (its o_proj, gate_up and down are the target's), session 22
+    (6144, 8192): GemvConfig(16, 512, 8, 3),  # draft_qkv
+    (4096, 12288): GemvConfig(8, 512, 8, 3),  # draft_fc
+    (32000, 4096): GemvConfig(4, 1024, 8, 3),  # draft_lm_head
 }
 # (rows padded, N, K) -> few_rows's config where it beat cuBLAS (bench_gemv --rows prints these
-# lines); every other shape and row count with more than one row goes to torch. None
-# measured yet: empty, so nothing takes few_rows until a GPU run says it pays.
-ROW_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {}
+# lines); every other shape and row count with more than one row goes to torch. H200,
+# session 22, measured at 4, 9 and 16 rows (the head's shapes at 4 and 6); gate_up and down
+# are absent: cuBLAS was ahead there.
+ROW_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
+    (16, 6144, 4096): GemvConfig(64, 256, 4, 4),  # qkv
+    (16, 4096, 4096): GemvConfig(32, 256, 4, 4),  # o_proj
+    (16, 128256, 4096): GemvConfig(64, 128, 4, 4),  # lm_head
+    (16, 6144, 8192): GemvConfig(64, 256, 4, 4),  # draft_qkv
+    (16, 4096, 12288): GemvConfig(32, 256, 4, 4),  # draft_fc
+    (16, 32000, 4096): GemvConfig(64, 128, 4, 3),  # draft_lm_head
+}
 
 
 @triton.jit
