@@ -412,7 +412,7 @@ class TreeSearch:
             eye = torch.eye(k, dtype=torch.bool, device=device)
             front_tok, front_score = tokens[0], scores[0]
             front_cand = torch.arange(k, device=device).expand(b, k)
-            parent_states = roots.repeat_interleave(k, dim=0)                     # [B * k, X]
+            parent_states = roots[:, None].expand(b, k, -1).reshape(b * k, -1)  # [B * k, X]
             for level in range(steps - 1):
                 start = offset + level * k
                 allowed[:, :, start:start + k] = eye
@@ -426,7 +426,7 @@ class TreeSearch:
                 child_tok = model.to_target_ids(ids).view(b, k * k)
                 tokens.append(child_tok)
                 scores.append(child_score)
-                parents.append(front_cand.repeat_interleave(k, dim=1))
+                parents.append(front_cand[:, :, None].expand(b, k, k).reshape(b, k * k))
                 if level == steps - 2:
                     break
                 front_score, best = child_score.topk(k, dim=-1)                   # sorted
