@@ -22,7 +22,7 @@ if [ "$status" -eq 0 ]; then
         (cd bench && timeout 200 python3 -u bench_step_costs.py --out-json "$OUT/step_costs_$i.json" \
             > "$OUT/step_costs_$i.log" 2>&1)
         echo "step costs run $i: rc $?"
-        grep -E "^(target decode|target verify|draft tree|draft graph) " "$OUT/step_costs_$i.log"
+        grep -E "^(target decode|target verify|draft tree|draft graph)[ :]" "$OUT/step_costs_$i.log"
     done
 else
     echo "GPU tests failed (rc $status): no step costs"
