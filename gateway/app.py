@@ -5,6 +5,11 @@ warmup. Each component is built from finished step results; health turns
 SERVING only after warmup ran real generations with speculation off and on.
 Any failed step prints the JSON init report to stderr (and --init-report) and
 the process exits 1.
+
+On SIGTERM / SIGINT the gateway drains: health turns NOT_SERVING, new requests
+get UNAVAILABLE, and those in flight run to their end for up to
+--drain-timeout-s (a second signal cuts it short); any still running then end
+with UNAVAILABLE saying why, and the process exits 0.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ class HealthGate:
         self._lock = threading.Lock()
         self._is_ready = False
         self._is_target_up = True
+        self._is_stopping = False
 
     def mark_ready(self) -> None:
         with self._lock:
@@ -76,8 +82,14 @@ class HealthGate:
             self._is_target_up = True
             self._update()
 
+    def stopping(self) -> None:
+        """NOT_SERVING from now on: the gateway is draining."""
+        with self._lock:
+            self._is_stopping = True
+            self._update()
+
     def _update(self) -> None:
-        if self._is_ready and self._is_target_up:
+        if self._is_ready and self._is_target_up and not self._is_stopping:
             self._server.set_serving()
         else:
             self._server.set_not_serving()
@@ -91,10 +103,26 @@ class RunningGateway:
     target: TargetClient
     core: GatewayCore
     report: InitReport
+    health: HealthGate
+    drain_timeout_s: float
 
     @property
     def port(self) -> int:
         return self.server.port
+
+    def drain(self, interrupt: threading.Event | None = None) -> int:
+        """NOT_SERVING, then :meth:`GatewayCore.drain` for --drain-timeout-s; returns how
+        many requests it aborted."""
+        self.health.stopping()
+        in_flight = self.core.num_in_flight
+        log.info("gateway stopping: %d requests in flight, waiting up to %g s for them "
+                 "(--drain-timeout-s; a second signal stops at once)", in_flight,
+                 self.drain_timeout_s)
+        aborted = self.core.drain(self.drain_timeout_s, interrupt)
+        if aborted:
+            log.warning("gateway stopping: %d of %d requests in flight did not finish; "
+                        "they end with UNAVAILABLE", aborted, in_flight)
+        return aborted
 
     def stop(self) -> None:
         self.server.stop(SHUTDOWN_GRACE_S)
@@ -198,7 +226,8 @@ def start(startup: Startup, args: argparse.Namespace) -> RunningGateway:
         servicer.attach(core)
         health.mark_ready()
         cleanup.pop_all()
-    return RunningGateway(server=server, target=target, core=core, report=startup.report)
+    return RunningGateway(server=server, target=target, core=core, report=startup.report,
+                          health=health, drain_timeout_s=config.drain_timeout_s)
 
 
 def start_gateway(argv: Sequence[str]) -> RunningGateway:
@@ -206,12 +235,16 @@ def start_gateway(argv: Sequence[str]) -> RunningGateway:
     return start(Startup("gateway", STEPS), build_parser().parse_args(argv))
 
 
-def _wait_for_stop_signal() -> None:
-    stop = threading.Event()
-    if threading.current_thread() is threading.main_thread():
+class StopSignals:
+    """SIGTERM and SIGINT, counted: ``first`` is set by the first, ``again`` by any later."""
+
+    def __init__(self) -> None:
+        self.first, self.again = threading.Event(), threading.Event()
         for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, lambda *_: stop.set())
-    stop.wait()
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        (self.again if self.first.is_set() else self.first).set()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -226,9 +259,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InitFailed as exc:
         return fail_startup(exc, args.init_report)
     write_report(startup.report, args.init_report)
+    signals = StopSignals()  # during start-up a signal stops the process at once
     log.info("gateway SERVING on %s:%d", args.host, gateway.port)
-    _wait_for_stop_signal()
-    log.info("gateway stopping")
+    signals.first.wait()
+    gateway.drain(signals.again)
     gateway.stop()
     telemetry.shutdown()
     return 0

@@ -47,6 +47,9 @@ class GatewayConfig:
     num_steps: int = _flag(0, "draft tree depth (0 = the target's default)")
     connect_timeout_s: float = _flag(120.0, "seconds to wait for the target to be SERVING at "
                                             "start-up, and for each warmup generation")
+    drain_timeout_s: float = _flag(25.0, "on SIGTERM / SIGINT: seconds to let requests in flight "
+                                         "finish (new ones get UNAVAILABLE) before stopping; a "
+                                         "second signal stops at once")
     init_report: Path | None = _flag(None, "also write the JSON init report to this file")
     log_level: str = _flag("INFO", "logging level (DEBUG, INFO, WARNING, ERROR)")
 
@@ -76,6 +79,8 @@ class GatewayConfig:
             adaptive_shapes(self.spec_adaptive_shapes, some_shape)
         if not self.connect_timeout_s > 0:
             raise ValueError(f"--connect-timeout-s must be > 0 (got {self.connect_timeout_s})")
+        if not self.drain_timeout_s >= 0:
+            raise ValueError(f"--drain-timeout-s must be >= 0 (got {self.drain_timeout_s})")
 
     @property
     def address(self) -> str:

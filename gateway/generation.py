@@ -10,6 +10,9 @@ StreamLost) and :meth:`RequestRun.cancel` (any thread) pokes. Cancellation:
   and sends Cancel; the admission slot is released when the target's final
   delta for the request arrives (or the stream is lost), so the gateway never
   has more than max_running requests at the target.
+
+:meth:`RequestRun.abort` (a stopping gateway's drain ran out of time) ends a run
+the same way, but the handler then raises the abort's UNAVAILABLE to the client.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 
@@ -97,7 +100,9 @@ class RequestRun:
 
     The iteration ends without a final chunk only when the request was
     cancelled. Raises ServiceError(UNAVAILABLE) when the target stream is lost
-    and ServiceError(INTERNAL) when the target fails the request.
+    or the run was aborted, and ServiceError(INTERNAL) when the target fails the
+    request. ``on_end`` is called (once or more) when the run has ended or the
+    client went away.
 
     The request's span (GenAI conventions) lives from the first iteration to the
     last; its traceparent travels to the target in the Admit.
@@ -105,7 +110,8 @@ class RequestRun:
 
     def __init__(self, request_id: int, request: GenerationRequest, arrival_s: float,
                  ticket: Ticket, admission: Admission, target: TargetClient,
-                 tokenizer: ModelTokenizer, parent: bytes = b"", model: str = "") -> None:
+                 tokenizer: ModelTokenizer, parent: bytes = b"", model: str = "",
+                 on_end: Callable[[RequestRun], None] | None = None) -> None:
         self.request_id = request_id
         self.request = request
         self._arrival_s = arrival_s
@@ -113,18 +119,28 @@ class RequestRun:
         self._admission = admission
         self._target = target
         self._tokenizer = tokenizer
-        self._inbox: queue.Queue[TargetItem | _Signal] = queue.Queue()
+        self._inbox: queue.Queue[TargetItem | _Signal | ServiceError] = queue.Queue()
         self._is_cancelled = threading.Event()
         self._is_done_at_target = False
         self._parent = parent  # the client's traceparent, if it sent one
         self._model = model
         self._span = None
+        self._on_end = on_end or (lambda run: None)
+        self._aborted: ServiceError | None = None
 
     def cancel(self) -> None:
         """The client went away: stop waiting, and stop the request at the target. Idempotent."""
         self._is_cancelled.set()
         self._admission.withdraw(self._ticket)
         self._inbox.put(CLIENT_GONE)
+        self._on_end(self)
+
+    def abort(self, message: str) -> None:
+        """End the run as :meth:`cancel` does, but with UNAVAILABLE ``message`` to the client."""
+        self._aborted = ServiceError(grpc.StatusCode.UNAVAILABLE, message)
+        self._is_cancelled.set()
+        self._admission.withdraw(self._ticket)
+        self._inbox.put(self._aborted)
 
     def __iter__(self) -> Iterator[Chunk]:
         is_submitted = False
@@ -141,6 +157,8 @@ class RequestRun:
                 "splitspec.speculation_mode": MODE_NAMES.get(request.speculation, "auto")})
         try:
             if not self._admission.wait(self._ticket) or self._is_cancelled.is_set():
+                if self._aborted is not None:
+                    raise self._aborted
                 return
             admitted_s = time.monotonic()
             self._target.submit(self._admit(), self._on_target_item)
@@ -158,6 +176,7 @@ class RequestRun:
                 self._admission.release(self._ticket)
             elif not self._is_done_at_target:
                 self._target.cancel(self.request_id)
+            self._on_end(self)
 
     def _record(self, final: Final) -> None:
         """The final figures on the span and in the GenAI metrics."""
@@ -204,6 +223,8 @@ class RequestRun:
             item = self._inbox.get()
             if item is CLIENT_GONE:
                 return
+            if isinstance(item, ServiceError):  # from abort
+                raise item
             if isinstance(item, StreamLost):
                 self._is_done_at_target = True
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE, item.message)
@@ -244,7 +265,7 @@ class RequestRun:
                 item = self._inbox.get(timeout=left)
             except queue.Empty:
                 break
-            if item is CLIENT_GONE or isinstance(item, StreamLost):
+            if item is CLIENT_GONE or isinstance(item, (StreamLost, ServiceError)):
                 break
             if is_final(item):
                 return item.spec

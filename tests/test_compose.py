@@ -63,6 +63,21 @@ def test_target_ranks_follow_its_gpu_count():
 
 
 @pytest.mark.parametrize("stack", ["gpu", "cpu"])
+def test_the_gateway_has_time_to_drain_before_compose_kills_it(stack):
+    """compose SIGKILLs a service stop_grace_period after SIGTERM (10 s unless set): the
+    gateway's must cover its drain and its server's grace after it."""
+    from gateway.app import SHUTDOWN_GRACE_S
+    from gateway.config import GatewayConfig
+
+    services = load(GPU)["services"] if stack == "gpu" else merged()
+    gateway = services["gateway"]
+    drain = GatewayConfig.from_args(build_parser().parse_args(defaults(gateway["command"][3:])))
+    grace = re.fullmatch(r"(\d+)s", gateway.get("stop_grace_period", "10s"))
+    assert grace is not None, gateway.get("stop_grace_period")
+    assert int(grace.group(1)) >= drain.drain_timeout_s + SHUTDOWN_GRACE_S + 1
+
+
+@pytest.mark.parametrize("stack", ["gpu", "cpu"])
 def test_every_command_line_parses(stack):
     services = load(GPU)["services"] if stack == "gpu" else merged()
     assert set(PARSERS) <= set(services)
@@ -104,7 +119,7 @@ def test_the_compose_schema_accepts_the_stack(stack):
 # ---- references and health checks ----------------------------------
 
 SERVICE_KEYS = {"image", "build", "command", "environment", "depends_on", "deploy", "healthcheck",
-                "ports", "ipc", "shm_size", "volumes"}
+                "ports", "ipc", "shm_size", "volumes", "stop_grace_period"}
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 
 

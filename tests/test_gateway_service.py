@@ -3,6 +3,7 @@ start-up steps, generation, stop strings, cancellation, admission, stream loss."
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from splitspec.init_report import InitFailed, StepState
 from splitspec.tokenizer import load_tokenizer
 from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from tests.fake_target import FakeTarget, serve_fake_target
+from tests.stack import Service
 
 pytestmark = pytest.mark.skipif(not (BUILTIN_TARGET / "tokenizer.json").is_file(),
                                 reason="needs the built-in tokenizer")
@@ -246,3 +248,90 @@ def test_cli_generate_and_status(gateway: RunningGateway, capsys: pytest.Capture
     assert main(["status", "--address", address]) == 0
     out, _ = capsys.readouterr()
     assert "model: fake" in out and "connect_target" in out and "load_model" in out
+
+
+def test_drain_lets_requests_in_flight_finish_and_refuses_new_ones(
+        fake: tuple[FakeTarget, int]) -> None:
+    """SIGTERM's drain (RunningGateway.drain): NOT_SERVING, a new request UNAVAILABLE, the
+    stream in flight runs to its last token, and the drain returns when it has ended."""
+    target, port = fake
+    running = _start(port, "--drain-timeout-s", "30")
+    try:
+        target.step_s = 0.02  # 60 tokens, 2 a step: about 0.6 s
+        stub = _stub(running)
+        call = stub.GenerateStream(_request(60, include_token_ids=True))
+        first = next(call)
+        drained = []
+        drain = threading.Thread(target=lambda: drained.append(running.drain()))
+        drain.start()
+        _wait_until(lambda: _health(running) == health_pb2.HealthCheckResponse.NOT_SERVING)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Generate(_request(3))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the gateway is stopping" in info.value.details()
+        rest = list(call)
+        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 60
+        drain.join(timeout=5)
+        assert not drain.is_alive() and drained == [0]
+        assert running.core.num_in_flight == 0
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize("cut", ["timeout", "second signal"])
+def test_drain_ends_what_is_left_with_unavailable_saying_why(
+        cut: str, fake: tuple[FakeTarget, int]) -> None:
+    """Requests still running (or queued) when the drain's time is up, or when a second
+    signal cuts it short, end with UNAVAILABLE naming the cause; those at the target are
+    cancelled there."""
+    target, port = fake
+    timeout_s = "0.3" if cut == "timeout" else "30"
+    running = _start(port, "--max-running", "2", "--max-queued", "1", "--drain-timeout-s", timeout_s)
+    try:
+        target.is_paused.set()
+        stub = _stub(running)
+        calls = [stub.GenerateStream(_request(8)) for _ in range(3)]
+        _wait_until(lambda: running.core.admission.num_queued == 1)
+        admitted = [admit.request_id for admit in target.admits[-2:]]
+        again = threading.Event()
+        if cut == "second signal":
+            threading.Timer(0.3, again.set).start()
+        started = time.monotonic()
+        assert running.drain(again) == 3
+        assert time.monotonic() - started < 5
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as info:
+                list(call)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            details = info.value.details()
+            assert "the gateway stopped before request" in details
+            assert ("--drain-timeout-s 0.3" if cut == "timeout" else "stopped again") in details
+        target.is_paused.clear()
+        _wait_until(lambda: set(admitted) <= set(target.cancels))
+        _wait_until(lambda: running.core.admission.num_running == 0)
+    finally:
+        running.stop()
+
+
+def test_sigterm_drains_the_gateway_process(fake: tuple[FakeTarget, int], tmp_path: Path) -> None:
+    """The gateway as its own process (python -m gateway): SIGTERM with a stream in flight,
+    the stream still gets every token, and the process then exits 0."""
+    target, port = fake
+    gateway = Service("gateway", ["--target", f"127.0.0.1:{port}", "--model", str(BUILTIN_TARGET),
+                                  "--drain-timeout-s", "30"], tmp_path)
+    try:
+        gateway.wait_serving()
+        target.step_s = 0.1  # 60 tokens, 2 a step: about 3 s, beyond the server's 2 s grace
+        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
+        call = stub.GenerateStream(_request(60, include_token_ids=True))
+        first = next(call)
+        gateway.proc.terminate()
+        rest = list(call)
+        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 60
+        code, _ = gateway.wait_exit(timeout_s=15)
+        assert code == 0, gateway.log
+        assert "gateway stopping: 1 requests in flight" in gateway.log
+    finally:
+        gateway.stop()
