@@ -33,6 +33,10 @@ CHANNEL_OPTIONS = [
 ]
 
 
+# wait_for_serving logs its progress this often (a peer may take minutes to load).
+WAIT_REPORT_S = 10.0
+
+
 class ServiceError(Exception):
     """An error to return to the caller as a gRPC status."""
 
@@ -160,8 +164,10 @@ class ServiceServer:
 
 
 def wait_for_serving(address: str, timeout_s: float, what: str,
-                     alive: Callable[[], bool] | None = None) -> grpc.Channel:
-    """Open a channel to address and wait until its health says SERVING.
+                     alive: Callable[[], bool] | None = None,
+                     report_every_s: float = WAIT_REPORT_S) -> grpc.Channel:
+    """Open a channel to address and wait until its health says SERVING, logging every
+    ``report_every_s`` what it has seen so far (a peer still loading, or none there).
 
     Raises TimeoutError naming ``what`` and the last status seen, or RuntimeError as
     soon as ``alive`` (the serving process's liveness, when given) returns False.
@@ -170,9 +176,14 @@ def wait_for_serving(address: str, timeout_s: float, what: str,
 
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline, report_at = started + timeout_s, started + report_every_s
     last = "no answer"
-    while time.monotonic() < deadline:
+    while (now := time.monotonic()) < deadline:
+        if now >= report_at:
+            log.info("waiting for the %s at %s to be SERVING: %.0f of %.0f s, last: %s",
+                     what, address, now - started, timeout_s, last)
+            report_at = now + report_every_s
         if alive is not None and not alive():
             channel.close()
             raise RuntimeError(f"{what} at {address} exited before it was SERVING (last: {last})")

@@ -62,3 +62,20 @@ def test_a_draft_that_goes_away_is_reported(link, caplog):
     readers_done()
     assert any(r.levelno == logging.WARNING and "draft stream ended" in r.getMessage()
                for r in caplog.records)
+
+
+def test_waiting_for_a_peer_says_what_it_sees_meanwhile(caplog):
+    """wait_for_serving (connect_draft's and connect_target's wait, up to 120 s by default)
+    logs its progress and what the address answered, then times out saying so."""
+    from splitspec.grpc_server import wait_for_serving
+    from tests.stack import free_port
+
+    address = f"127.0.0.1:{free_port()}"  # nothing listens there
+    with caplog.at_level(logging.INFO, logger="splitspec.grpc_server"), \
+            pytest.raises(TimeoutError) as info:
+        wait_for_serving(address, 0.8, "draft service", report_every_s=0.2)
+    assert f"draft service at {address} was not SERVING within 1s (last: UNAVAILABLE" in str(info.value)
+    waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for")]
+    assert len(waits) >= 2, caplog.text
+    assert all(f"the draft service at {address} to be SERVING" in w and "UNAVAILABLE" in w
+               for w in waits[1:]), waits
