@@ -144,6 +144,11 @@ class DraftModel(ABC):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target-vocabulary ids."""
 
+    def top_logprobs(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k likeliest draft-vocabulary tokens of each state row: log-probabilities
+        [T, k] (float32, descending) and ids [T, k]."""
+        return torch.log_softmax(self.logits(states), dim=-1).topk(k, dim=-1)
+
 
 class StandaloneDraft(DraftModel):
     kind = STANDALONE
@@ -217,6 +222,9 @@ class Eagle3Draft(DraftModel):
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         return self.head.logits(states)
+
+    def top_logprobs(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.head.top_logprobs(states, k)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.head.to_target_ids(draft_ids)

@@ -373,6 +373,34 @@ def run_few_rows(device: str) -> None:
         assert routed.shape == (1, m, n) and torch.equal(routed[0], got)
 
 
+def run_top_logprobs(device: str) -> None:
+    """splitspec.kernels.top_logprobs against a stable descending sort and torch's log_softmax:
+    rows of one chunk and of several (the last one partial), equal logits within a chunk and
+    across chunks (index order), rows strided, k = V, k = 1; beyond MAX_K it is torch's."""
+    from splitspec.kernels.top_logprobs import BLOCK, MAX_K, top_logprobs, top_logprobs_torch
+
+    gen = torch.Generator().manual_seed(11)
+    cases = [(torch.float32, 3, 2 * BLOCK + 904, 4), (torch.bfloat16, 5, 2 * BLOCK + 1, 8),
+             (torch.float16, 1, BLOCK, 1), (torch.float32, 2, 6, 6), (torch.bfloat16, 4, 300, 5)]
+    for dtype, rows, width, k in cases:
+        wide = (torch.randn(rows, width + 10, generator=gen) * 4).to(dtype)
+        if width > BLOCK:  # row 0: its maximum five times, in two chunks, out of index order
+            wide[0, [BLOCK + 7, 5, width - 1, 9, BLOCK]] = 30.0
+        if dtype == torch.bfloat16:  # a coarse grid: many equal logits below the top too
+            wide = (wide * 2).round() / 2
+        x = wide[:, :width].to(device)  # rows width + 10 apart
+        lp, ids = top_logprobs(x, k)
+        assert lp.shape == ids.shape == (rows, k) and lp.dtype == torch.float32
+        assert ids.dtype == torch.int64
+        order = torch.sort(x.float().cpu(), dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(ids.cpu(), order), (dtype, rows, width, k, ids, order)
+        want = torch.log_softmax(x.float(), dim=-1).gather(1, ids)
+        torch.testing.assert_close(lp, want, rtol=0, atol=2e-6, msg=f"{dtype} {rows}x{width} k={k}")
+    x = torch.randn(2, 100, generator=gen).to(device)
+    for got, want in zip(top_logprobs(x, MAX_K + 1), top_logprobs_torch(x, MAX_K + 1), strict=True):
+        assert torch.equal(got, want)
+
+
 class EveryShape(dict):
     """A CONFIGS / ROW_CONFIGS stand-in that lists every shape: all projections take the
     kernels (the shapes the real tables list are measured ones, none of a tiny model's)."""
@@ -393,27 +421,34 @@ WIRED_DRAFT_VOCAB = 80
 def run_wired_projections(device: str) -> None:
     """A small target and its EAGLE-3 head with the Triton kernels on, every projection
     through splitspec.kernels.gemv (one row and a few), against the same weights through
-    torch: the logits agree, and each projection of both models went through ``linear``."""
+    torch: the logits and the head's top 3 log-probabilities agree, each projection of both
+    models went through ``linear``, and the head's top 3 through ``top_logprobs``."""
     from splitspec.kernels import fused_ops
     from splitspec.kernels import gemv as module
 
     seen: list[tuple[int, tuple[int, ...]]] = []
-    plain_linear = fused_ops.linear
+    plain_linear, plain_top = fused_ops.linear, fused_ops.top_logprobs
+    ranked: list[tuple[int, ...]] = []
 
     def counted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         seen.append((x.numel() // w.shape[1], tuple(w.shape)))
         return plain_linear(x, w)
 
-    saved = fused_ops.linear, module.CONFIGS, module.ROW_CONFIGS
-    fused_ops.linear = counted
+    def counted_top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ranked.append((*logits.shape, k))
+        return plain_top(logits, k)
+
+    saved = fused_ops.linear, fused_ops.top_logprobs, module.CONFIGS, module.ROW_CONFIGS
+    fused_ops.linear, fused_ops.top_logprobs = counted, counted_top
     module.CONFIGS = EveryShape(module.GemvConfig(16, 32, 4))
     module.ROW_CONFIGS = EveryShape(module.GemvConfig(16, 32, 4))
     try:  # on a GPU this runs in the tests' process: the tables go back after
         results = _wired_logits(device)
     finally:
-        fused_ops.linear, module.CONFIGS, module.ROW_CONFIGS = saved
+        fused_ops.linear, fused_ops.top_logprobs, module.CONFIGS, module.ROW_CONFIGS = saved
     for fused, plain in zip(*results, strict=True):
         torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4)
+    assert ranked == [(6, WIRED_DRAFT_VOCAB, 3), (1, WIRED_DRAFT_VOCAB, 3)], ranked
     h, inter, vocab = WIRED["hidden_size"], WIRED["intermediate_size"], WIRED["vocab_size"]
     qkv = (4 + 2 * 2) * 16
     layer = {(h, h), (2 * inter, h), (h, inter)}  # o_proj, gate_up, down: the same in both
@@ -424,8 +459,8 @@ def run_wired_projections(device: str) -> None:
 
 
 def _wired_logits(device: str) -> list[list[torch.Tensor]]:
-    """A small target's and its EAGLE-3 head's logits for a prompt of 6 then one decode row,
-    with the Triton kernels on, then off."""
+    """A small target's and its EAGLE-3 head's logits (and the head's top 3 log-probabilities
+    and ids) for a prompt of 6 then one decode row, with the Triton kernels on, then off."""
     import tempfile
     from pathlib import Path
 
@@ -463,7 +498,8 @@ def _wired_logits(device: str) -> list[list[torch.Tensor]]:
                         outputs.append(target.compute_logits(
                             target(ids, pos.to(device), ctx).hidden))
                     else:
-                        outputs.append(head(ids, head.fuse(features[start:start + rows]),
-                                            pos.to(device), ctx).logits)
+                        out = head(ids, head.fuse(features[start:start + rows]),
+                                   pos.to(device), ctx)
+                        outputs += [out.logits, *head.top_logprobs(out.g, 3)]
         results.append(outputs)
     return results

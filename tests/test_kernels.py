@@ -22,13 +22,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
                                    "run_paged_decode", "run_gemv", "run_few_rows",
-                                   "run_wired_projections"])
+                                   "run_wired_projections", "run_top_logprobs"])
 def test_kernels_match_torch_in_the_interpreter(cases):
     """run: KV compaction; run_fused: norms, rotary, SiLU-and-multiply, the KV store;
     run_tree: the draft's tree-node attention and merge; run_prompts: packed prompts' causal
     attention; run_paged_decode: decode attention over the paged cache, split and merged, one
     row or several a sequence (the verify and drafting prefix, TablePrefix); run_gemv and
-    run_few_rows: a projection of one row and of a few."""
+    run_few_rows: a projection of one row and of a few; run_wired_projections: a small target
+    and head with every projection through them; run_top_logprobs: the draft's top k."""
     code = f"from tests.kernel_cases import {cases}; {cases}('cpu'); print('ok')"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -38,7 +39,7 @@ def test_kernels_match_torch_in_the_interpreter(cases):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
                                    "run_paged_decode", "run_gemv", "run_few_rows",
-                                   "run_wired_projections"])
+                                   "run_wired_projections", "run_top_logprobs"])
 def test_kernels_match_torch_on_the_gpu(cases):
     import tests.kernel_cases
 

@@ -12,7 +12,8 @@ arithmetic); each of these takes one:
   cos/sin computed from the positions and the model's inverse frequencies);
 - :func:`silu_mul` over the fused gate/up projection;
 - :func:`store_kv`: K and V of every token into its cache slot;
-- :func:`linear`, the projections, one row at a time through splitspec/kernels/gemv.py.
+- :func:`linear`, the projections, one row at a time through splitspec/kernels/gemv.py;
+- :func:`top_logprobs`, the draft's log-softmax and top-k (splitspec/kernels/top_logprobs.py).
 
 Each rounds where the torch form (Hugging Face's) rounds, so in bf16 they agree
 with it to the last bit or one rounding step; the torch forms in
@@ -26,8 +27,9 @@ import triton
 import triton.language as tl
 
 from splitspec.kernels.gemv import linear
+from splitspec.kernels.top_logprobs import top_logprobs
 
-__all__ = ["add_rms_norm", "linear", "rms_norm", "rope", "silu_mul", "store_kv"]
+__all__ = ["add_rms_norm", "linear", "rms_norm", "rope", "silu_mul", "store_kv", "top_logprobs"]
 
 
 @triton.jit

@@ -72,7 +72,19 @@ class Eagle3Head(nn.Module):
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """The head's residual stream [T, H] -> draft-vocabulary logits [T, V_draft], float32."""
-        return linear_of(self.kernels)(self.norm(g), self.lm_head.weight).float()
+        return self._lm_head(g).float()
+
+    def top_logprobs(self, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The k likeliest draft tokens of each row of g [T, H]: log-probabilities [T, k]
+        (float32, descending) and draft ids [T, k]. With the kernels on, two Triton kernels
+        read the projection's output as it is (splitspec/kernels/top_logprobs.py)."""
+        logits = self._lm_head(g)
+        if self.kernels is None:
+            return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        return self.kernels.top_logprobs(logits, k)
+
+    def _lm_head(self, g: torch.Tensor) -> torch.Tensor:
+        return linear_of(self.kernels)(self.norm(g), self.lm_head.weight)
 
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ctx: AttentionContext) -> Eagle3Output:
