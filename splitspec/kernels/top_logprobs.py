@@ -3,7 +3,7 @@
 The draft's tree search asks this of every level: ``log_softmax(logits).topk(k)`` over the
 head's vocabulary (32000 for Llama-3's EAGLE-3 heads) for a few rows. In torch that is a cast
 to float32, a softmax kernel and a radix select of eight or more kernels; on the H200, at the
-8B shape, about 50 µs a level (docs/benchmarks.md, eighteenth part), against the few
+8B shape, about 40 µs a level (docs/benchmarks.md, eighteenth part), against the few
 microseconds it takes to read the logits.
 
 Here the first kernel splits each row into chunks of BLOCK columns, one program a chunk, and
