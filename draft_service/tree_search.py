@@ -404,7 +404,7 @@ class TreeSearch:
         [B, k, T] holds the columns before it that every row sees. Returns [3, B, C] float64:
         every candidate's target id, parent (-1 for depth 1) and score."""
         model, b, device = self.model, roots.shape[0], roots.device
-        top_lp, top_ids = torch.log_softmax(model.logits(roots), dim=-1).topk(k, dim=-1)
+        top_lp, top_ids = model.top_logprobs(roots, k)
         tokens = [model.to_target_ids(top_ids)]                                   # [B, k]
         scores = [top_lp.double()]
         parents = [torch.full((b, k), -1, dtype=torch.int64, device=device)]
@@ -420,7 +420,7 @@ class TreeSearch:
                 ctx = AttentionContext(self.attention, meta, self.cache)
                 states = model.forward_nodes(front_tok.reshape(-1), parent_states,
                                              last + (level + 1), ctx)             # [B * k, X]
-                lp, ids = torch.log_softmax(model.logits(states), dim=-1).topk(k, dim=-1)
+                lp, ids = model.top_logprobs(states, k)
                 first = k + level * k * k  # candidate index of this level's first child
                 child_score = (front_score[:, :, None] + lp.double().view(b, k, k)).view(b, k * k)
                 child_tok = model.to_target_ids(ids).view(b, k * k)
