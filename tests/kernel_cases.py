@@ -399,6 +399,12 @@ def run_top_logprobs(device: str) -> None:
     x = torch.randn(2, 100, generator=gen).to(device)
     for got, want in zip(top_logprobs(x, MAX_K + 1), top_logprobs_torch(x, MAX_K + 1), strict=True):
         assert torch.equal(got, want)
+    # a small block: many chunks, the merge's candidates not a power of two (7 x 3)
+    x = (torch.randn(3, 400, generator=gen) * 2).round().to(device)  # many equal logits
+    lp, ids = top_logprobs(x, 3, block=64, num_warps=2)
+    order = torch.sort(x.cpu(), dim=-1, descending=True, stable=True).indices[:, :3]
+    assert torch.equal(ids.cpu(), order)
+    torch.testing.assert_close(lp, torch.log_softmax(x, dim=-1).gather(1, ids), rtol=0, atol=2e-6)
 
 
 class EveryShape(dict):

@@ -81,6 +81,26 @@ def run_gemv_bench(*options: str) -> tuple[list[dict], str]:
         return json.loads(out.read_text())["results"], done.stdout
 
 
+def test_top_logprobs_bench_runs_on_cpu(tmp_path):
+    """bench_top_logprobs shrunk, the kernels in Triton's interpreter: torch and two configs
+    per shape, each checked against a stable sort inside the script, and the best-per-shape
+    lines."""
+    pytest.importorskip("triton")
+    out = tmp_path / "top.json"
+    done = subprocess.run(
+        [sys.executable, "bench/bench_top_logprobs.py", "--device", "cpu", "--vocab", "300",
+         "--rows", "1,3", "--k", "4", "--blocks", "64,128", "--warps", "2", "--calls", "2",
+         "--repeats", "1", "--out-json", str(out)], cwd=REPO, check=True, timeout=300,
+        capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"})
+    results = json.loads(out.read_text())["results"]
+    assert [(r["rows"], r["variant"]) for r in results] == [
+        (rows, v) for rows in (1, 3) for v in ("torch", "b64 w2", "b128 w2")]
+    assert all(r["us_per_call"] > 0 and r["vocab"] == 300 and r["k"] == 4 for r in results)
+    best = done.stdout.split("best per shape:")[1].strip().splitlines()
+    assert [line.split(":")[0] for line in best] == ["V=300     rows   1 k  4",
+                                                     "V=300     rows   3 k  4"], done.stdout
+
+
 def test_gemv_bench_runs_on_cpu():
     """bench_gemv shrunk: torch and one config per shape and row count (gemv at one row,
     few_rows at nine), each agreeing with torch's output to bf16 rounding, and the lines for

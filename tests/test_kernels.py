@@ -93,6 +93,21 @@ def test_gemv_refuses_what_it_cannot_multiply():
         gemv(torch.zeros(1, 16), w, GemvConfig(block_n=6))
 
 
+def test_top_logprobs_refuses_a_block_not_a_power_of_two_and_leaves_the_rest_to_torch():
+    from splitspec.kernels.top_logprobs import MAX_K, top_logprobs, top_logprobs_torch
+
+    x = torch.randn(2, 40)
+    for block in (8, 48):
+        with pytest.raises(ValueError, match="power of two of at least 16"):
+            top_logprobs(x, 2, block=block)
+    # what the kernels do not take goes to torch (which raises where it must), no kernel run
+    for logits, k in ((x, MAX_K + 1), (x.T, 2), (x[0], 2), (x[:0], 2)):
+        for got, want in zip(top_logprobs(logits, k), top_logprobs_torch(logits, k), strict=True):
+            assert torch.equal(got, want)
+    with pytest.raises(RuntimeError):
+        top_logprobs(x, 41)
+
+
 def test_few_rows_refuses_what_it_cannot_multiply():
     from splitspec.kernels.gemv import GemvConfig, few_rows, padded_rows
 

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048  # columns of a row a program of the first kernel reads
+BLOCK = 2048  # columns of a row a program of the first kernel reads (a power of two)
+WARPS = 4     # each kernel's warps
 MAX_K = 32    # the most tokens a row the kernels return; more go to torch
 
 
@@ -72,25 +73,28 @@ def _merge_kernel(vals, ids, maxes, sums, out_lp, out_ids, CHUNKS, K: tl.constex
         v = tl.where(at == pick, float("-inf"), v)
 
 
-def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_logprobs(logits: torch.Tensor, k: int, block: int = BLOCK,
+                 num_warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """``log_softmax(logits.float(), -1).topk(k, -1)`` for logits [R, V] (any float dtype,
     columns contiguous): the kernels for 1 <= k <= MAX_K (ties in index order), torch's
-    otherwise."""
+    otherwise. ``block`` (a power of two) and ``num_warps`` are bench_top_logprobs.py's."""
+    if block < 16 or block & (block - 1):
+        raise ValueError(f"block must be a power of two of at least 16 (got {block})")
     if (logits.dim() != 2 or logits.shape[0] == 0 or logits.stride(1) != 1
             or not 1 <= k <= min(MAX_K, logits.shape[1])):
         return top_logprobs_torch(logits, k)
     rows, width = logits.shape
-    chunks = triton.cdiv(width, BLOCK)
+    chunks = triton.cdiv(width, block)
     device = logits.device
     vals = torch.empty(rows, chunks, k, dtype=torch.float32, device=device)
     ids = torch.empty(rows, chunks, k, dtype=torch.int32, device=device)
     maxes = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     sums = torch.empty(rows, chunks, dtype=torch.float32, device=device)
     _chunk_kernel[(rows, chunks)](logits, logits.stride(0), width, vals, ids, maxes, sums,
-                                  chunks, K=k, BLOCK=BLOCK, num_warps=4)
+                                  chunks, K=k, BLOCK=block, num_warps=num_warps)
     out_lp = torch.empty(rows, k, dtype=torch.float32, device=device)
     out_ids = torch.empty(rows, k, dtype=torch.int64, device=device)
     _merge_kernel[(rows,)](vals, ids, maxes, sums, out_lp, out_ids, chunks, K=k,
                            CHUNKS_P=triton.next_power_of_2(chunks),
-                           CANDIDATES_P=triton.next_power_of_2(chunks * k), num_warps=4)
+                           CANDIDATES_P=triton.next_power_of_2(chunks * k), num_warps=num_warps)
     return out_lp, out_ids
