@@ -30,7 +30,7 @@ import torch
 from graph_timing import graph_of, time_graph
 from graph_timing import parse_ints as ints
 
-from splitspec.kernels.top_logprobs import top_logprobs, top_logprobs_torch
+from splitspec.kernels.top_logprobs import top_logprobs_kernels, top_logprobs_torch
 
 
 def check(logits: torch.Tensor, k: int, got: tuple[torch.Tensor, torch.Tensor], what: str) -> None:
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 for block in args.blocks:
                     for warps in args.warps:
                         variants[f"b{block} w{warps}"] = (
-                            lambda x, k=k, b=block, w=warps: top_logprobs(x, k, b, w))
+                            lambda x, k=k, b=block, w=warps: top_logprobs_kernels(x, k, b, w))
                 for name, fn in variants.items():
                     if name != "torch":
                         check(copies[0], k, fn(copies[0]), f"{name} V={vocab} rows={rows} k={k}")

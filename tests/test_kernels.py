@@ -93,19 +93,35 @@ def test_gemv_refuses_what_it_cannot_multiply():
         gemv(torch.zeros(1, 16), w, GemvConfig(block_n=6))
 
 
-def test_top_logprobs_refuses_a_block_not_a_power_of_two_and_leaves_the_rest_to_torch():
-    from splitspec.kernels.top_logprobs import MAX_K, top_logprobs, top_logprobs_torch
+def test_top_logprobs_kernels_refuse_what_they_do_not_take():
+    from splitspec.kernels.top_logprobs import MAX_K, top_logprobs_kernels
 
     x = torch.randn(2, 40)
     for block in (8, 48):
         with pytest.raises(ValueError, match="power of two of at least 16"):
-            top_logprobs(x, 2, block=block)
-    # what the kernels do not take goes to torch (which raises where it must), no kernel run
-    for logits, k in ((x, MAX_K + 1), (x.T, 2), (x[0], 2), (x[:0], 2)):
-        for got, want in zip(top_logprobs(logits, k), top_logprobs_torch(logits, k), strict=True):
+            top_logprobs_kernels(x, 2, block=block)
+    for logits, k in ((x, MAX_K + 1), (x, 0), (x.T, 2), (x[0], 2), (x[:0], 2)):
+        with pytest.raises(ValueError, match="the kernels take logits"):
+            top_logprobs_kernels(logits, k)
+
+
+@pytest.mark.parametrize("routed", [False, True])
+def test_top_logprobs_routes_to_the_kernels_only_when_routed_and_they_fit(monkeypatch, routed):
+    from splitspec.kernels import top_logprobs as module
+
+    calls = []
+    monkeypatch.setattr(module, "ROUTED", routed)
+    monkeypatch.setattr(module, "top_logprobs_kernels",
+                        lambda logits, k: calls.append(tuple(logits.shape)) or (None, None))
+    x = torch.randn(3, 40)
+    for logits, k in ((x, module.MAX_K + 1), (x.T, 2), (x[:0], 2)):  # torch's, either way
+        for got, want in zip(module.top_logprobs(logits, k), module.top_logprobs_torch(logits, k),
+                             strict=True):
             assert torch.equal(got, want)
-    with pytest.raises(RuntimeError):
-        top_logprobs(x, 41)
+    got = module.top_logprobs(x, 4)
+    assert calls == ([(3, 40)] if routed else [])
+    if not routed:
+        assert torch.equal(got[1], module.top_logprobs_torch(x, 4)[1])
 
 
 def test_few_rows_refuses_what_it_cannot_multiply():

@@ -14,6 +14,10 @@ chunks' k best, so this is exact: the same tokens as a stable descending sort (e
 in index order), and log-probabilities x - logsumexp(x) in float32, summed in another order
 than torch's (so within float rounding of torch's). :func:`top_logprobs_torch` is the
 reference.
+
+:func:`top_logprobs` (what the EAGLE-3 head's tree search calls with the kernels on) takes
+the kernels only while ROUTED is set, and ROUTED stays off until a GPU run measures them
+(bench/bench_top_logprobs.py, and the draft graph of bench/bench_step_costs.py).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import triton.language as tl
 BLOCK = 2048  # columns of a row a program of the first kernel reads (a power of two)
 WARPS = 4     # each kernel's warps
 MAX_K = 32    # the most tokens a row the kernels return; more go to torch
+ROUTED = False  # top_logprobs through the kernels: not before a GPU has measured them
 
 
 def top_logprobs_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,16 +78,32 @@ def _merge_kernel(vals, ids, maxes, sums, out_lp, out_ids, CHUNKS, K: tl.constex
         v = tl.where(at == pick, float("-inf"), v)
 
 
-def top_logprobs(logits: torch.Tensor, k: int, block: int = BLOCK,
-                 num_warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """``log_softmax(logits.float(), -1).topk(k, -1)`` for logits [R, V] (any float dtype,
-    columns contiguous): the kernels for 1 <= k <= MAX_K (ties in index order), torch's
-    otherwise. ``block`` (a power of two) and ``num_warps`` are bench_top_logprobs.py's."""
+def fits(logits: torch.Tensor, k: int) -> bool:
+    """Whether the kernels take these logits: [R, V], R >= 1, columns contiguous, and
+    1 <= k <= min(MAX_K, V)."""
+    return (logits.dim() == 2 and logits.shape[0] > 0 and logits.stride(1) == 1
+            and 1 <= k <= min(MAX_K, logits.shape[1]))
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits.float(), -1).topk(k, -1)``: the kernels where ROUTED is set and
+    they take the logits (:func:`fits`), torch's otherwise."""
+    if ROUTED and fits(logits, k):
+        return top_logprobs_kernels(logits, k)
+    return top_logprobs_torch(logits, k)
+
+
+def top_logprobs_kernels(logits: torch.Tensor, k: int, block: int = BLOCK,
+                         num_warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two kernels on logits [R, V] (any float dtype): log-probabilities [R, k] float32,
+    descending, and ids [R, k] int64, equal logits in index order. ``block`` (a power of two)
+    and ``num_warps`` are bench_top_logprobs.py's. Raises ValueError where they do not fit."""
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two of at least 16 (got {block})")
-    if (logits.dim() != 2 or logits.shape[0] == 0 or logits.stride(1) != 1
-            or not 1 <= k <= min(MAX_K, logits.shape[1])):
-        return top_logprobs_torch(logits, k)
+    if not fits(logits, k):
+        raise ValueError(f"the kernels take logits [R, V] with R >= 1, columns contiguous and "
+                         f"1 <= k <= min({MAX_K}, V) (got {tuple(logits.shape)}, "
+                         f"strides {logits.stride()}, k {k})")
     rows, width = logits.shape
     chunks = triton.cdiv(width, block)
     device = logits.device
