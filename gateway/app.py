@@ -115,9 +115,9 @@ class RunningGateway:
         many requests it aborted."""
         self.health.stopping()
         in_flight = self.core.num_in_flight
-        log.info("gateway stopping: %d requests in flight, waiting up to %g s for them "
-                 "(--drain-timeout-s; a second signal stops at once)", in_flight,
-                 self.drain_timeout_s)
+        log.info("gateway stopping: waiting up to %g s for the requests in flight (%d; "
+                 "--drain-timeout-s; a second signal stops at once)", self.drain_timeout_s,
+                 in_flight)
         aborted = self.core.drain(self.drain_timeout_s, interrupt)
         if aborted:
             log.warning("gateway stopping: %d of %d requests in flight did not finish; "

@@ -76,8 +76,9 @@ class Eagle3Head(nn.Module):
 
     def top_logprobs(self, g: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k likeliest draft tokens of each row of g [T, H]: log-probabilities [T, k]
-        (float32, descending) and draft ids [T, k]. With the kernels on, two Triton kernels
-        read the projection's output as it is (splitspec/kernels/top_logprobs.py)."""
+        (float32, descending) and draft ids [T, k]. With the kernels on, through
+        splitspec.kernels.top_logprobs (its two Triton kernels, reading the projection's
+        output as it is, once ``ROUTED``)."""
         logits = self._lm_head(g)
         if self.kernels is None:
             return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
