@@ -10,7 +10,7 @@ import threading
 
 from draft_service.config import DraftConfig
 from draft_service.startup import STEPS, build
-from splitspec import telemetry
+from splitspec import compile_watch, telemetry
 from splitspec.config_args import add_arguments, from_args
 from splitspec.init_report import InitFailed, Startup, fail_startup, write_report
 
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s draft %(levelname)s %(message)s")
     telemetry.setup("draft")
+    compile_watch.watch()  # Triton variants first met while serving get logged
     startup = Startup("draft", STEPS)
     try:
         built = build(cfg, startup)
@@ -43,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     write_report(startup.report, cfg.init_report)
     built.server.set_serving()
+    compile_watch.serving()
     log.info("draft SERVING on %s", cfg.address)
     stop.wait()
     log.info("draft stopping")

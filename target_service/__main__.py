@@ -13,7 +13,7 @@ import signal
 import sys
 import threading
 
-from splitspec import telemetry
+from splitspec import compile_watch, telemetry
 from splitspec.config_args import add_arguments, from_args
 from splitspec.init_report import InitFailed, Startup, fail_startup, write_report
 from target_service.config import TargetConfig
@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s target %(levelname)s %(message)s")
     telemetry.setup("target")
+    compile_watch.watch()  # Triton variants first met while serving get logged
     stop = threading.Event()
     crashed: list[BaseException] = []
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda *_: stop.set())
     write_report(startup.report, cfg.init_report)
     built.server.set_serving()
+    compile_watch.serving()
     log.info("target SERVING on %s (%d rank%s)", cfg.address, where.size,
              "s" if where.size > 1 else "")
     stop.wait()
