@@ -96,8 +96,10 @@ def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
 def top_logprobs_kernels(logits: torch.Tensor, k: int, block: int = BLOCK,
                          num_warps: int = WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """The two kernels on logits [R, V] (any float dtype): log-probabilities [R, k] float32,
-    descending, and ids [R, k] int64, equal logits in index order. ``block`` (a power of two)
-    and ``num_warps`` are bench_top_logprobs.py's. Raises ValueError where they do not fit."""
+    descending, and ids [R, k] int64, equal logits in index order (a row with fewer than k
+    finite logits may repeat an id among its -inf entries; a projection's logits are finite).
+    ``block`` (a power of two) and ``num_warps`` are bench_top_logprobs.py's. Raises
+    ValueError where they do not fit."""
     if block < 16 or block & (block - 1):
         raise ValueError(f"block must be a power of two of at least 16 (got {block})")
     if not fits(logits, k):
