@@ -38,7 +38,9 @@ SPECULATION_MODES = {
     "off": common_pb2.SPECULATION_MODE_OFF,
 }
 DRAFT_KINDS = ("eagle3", "standalone", "none")
-STOP_GRACE_S = 5.0
+STOP_GRACE_S = 5.0  # after SIGTERM, before SIGKILL: the target and the draft
+UP_DRAIN_S = 10.0  # the gateway's --drain-timeout-s under `up`: Ctrl-C waits this long at most
+GATEWAY_STOP_S = UP_DRAIN_S + 5.0  # its drain, its server's grace, then SIGKILL
 
 
 # --- generate ------------------------------------------------------------------------------
@@ -188,7 +190,7 @@ def stack_specs(args: argparse.Namespace) -> list[ChildSpec]:
         specs.append(ChildSpec("draft", tuple(draft_argv)))
         target_argv += ["--draft", f"localhost:{args.draft_port}"]
     gateway_argv = [python, "-m", "gateway", "--port", str(args.gateway_port),
-                    "--target", f"localhost:{args.target_port}"]
+                    "--target", f"localhost:{args.target_port}", "--drain-timeout-s", f"{UP_DRAIN_S:g}"]
     if args.target_model:
         target_argv += ["--model", str(args.target_model)]
         gateway_argv += ["--model", str(args.target_model)]
@@ -253,12 +255,16 @@ class Child:
 
 
 def stop_all(children: Sequence[Child]) -> None:
-    """SIGTERM every child (gateway first), wait, then SIGKILL what is left."""
-    for child in reversed(children):
-        child.terminate()
-    deadline = time.monotonic() + STOP_GRACE_S
-    for child in reversed(children):
-        child.wait_or_kill(deadline)
+    """SIGTERM the gateway and wait while it drains (requests in flight finish, up to
+    UP_DRAIN_S), then SIGTERM the others and wait; SIGKILL what outlives its deadline."""
+    gateway = [child for child in children if child.name == "gateway"]
+    rest = [child for child in reversed(children) if child.name != "gateway"]
+    for group, grace_s in ((gateway, GATEWAY_STOP_S), (rest, STOP_GRACE_S)):
+        for child in group:
+            child.terminate()
+        deadline = time.monotonic() + grace_s
+        for child in group:
+            child.wait_or_kill(deadline)
 
 
 def wait_until_serving(address: str, children: Sequence[Child], timeout_s: float) -> None:
@@ -308,7 +314,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             return stream_completion(gateway_address, request)
         watch(children)
     except StopRequested as exc:  # the way out of `up`: stop the stack cleanly
-        print(f"splitspec up: {exc}: stopping the stack", file=sys.stderr)
+        print(f"splitspec up: {exc}: stopping the gateway (requests in flight get up to "
+              f"{UP_DRAIN_S:g} s), then the others", file=sys.stderr)
         return 0
     except (ServiceDied, TimeoutError) as exc:  # the command's failure: printed, exit code 1
         print(f"splitspec up: {exc}; stopping the others", file=sys.stderr)
@@ -431,7 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help="run draft, target and gateway as local processes",
                              description="Start the three services, print their output prefixed "
                                          "with their names (on stderr) and wait until the gateway "
-                                         "is SERVING; Ctrl-C or SIGTERM stops them all.")
+                                         "is SERVING; Ctrl-C or SIGTERM stops them all: the "
+                                         "gateway first, after requests in flight finish (up "
+                                         f"to {UP_DRAIN_S:g} s).")
     up.add_argument("--gateway-port", type=int, default=50051, help="gateway port (client-facing)")
     up.add_argument("--target-port", type=int, default=50052, help="target service port")
     up.add_argument("--draft-port", type=int, default=50053, help="draft service port")

@@ -23,7 +23,8 @@ def test_up_default_is_eagle3_on_default_ports() -> None:
     assert list(specs) == ["draft", "target", "gateway"]
     assert specs["draft"] == ["-m", "draft_service", "--port", "50053"]
     assert specs["target"] == ["-m", "target_service", "--port", "50052", "--draft", "localhost:50053"]
-    assert specs["gateway"] == ["-m", "gateway", "--port", "50051", "--target", "localhost:50052"]
+    assert specs["gateway"] == ["-m", "gateway", "--port", "50051", "--target", "localhost:50052",
+                                "--drain-timeout-s", "10"]
 
 
 def test_up_standalone_and_ports() -> None:
@@ -31,7 +32,8 @@ def test_up_standalone_and_ports() -> None:
                    "--gateway-port", "7001")
     assert specs["draft"] == ["-m", "draft_service", "--port", "7003", "--model", str(BUILTIN_DRAFT)]
     assert specs["target"][-2:] == ["--draft", "localhost:7003"]
-    assert specs["gateway"] == ["-m", "gateway", "--port", "7001", "--target", "localhost:7002"]
+    assert specs["gateway"] == ["-m", "gateway", "--port", "7001", "--target", "localhost:7002",
+                                "--drain-timeout-s", "10"]
 
 
 def test_up_no_draft_and_model_overrides(tmp_path: Path) -> None:

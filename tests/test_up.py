@@ -1,0 +1,75 @@
+"""``splitspec up``, the README's first command, as a user runs it: the three services as
+processes, text generated, and Ctrl-C stopping them in order (the gateway drains first)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.stack import REPO, free_port
+
+pytestmark = pytest.mark.slow
+
+
+def up(*flags: str) -> tuple[list[str], dict[str, int]]:
+    ports = {"gateway": free_port(), "target": free_port(), "draft": free_port()}
+    argv = [sys.executable, "-m", "splitspec.cli", "up", *flags,
+            *(arg for name, port in ports.items() for arg in (f"--{name}-port", str(port)))]
+    return argv, ports
+
+
+def listening(port: int) -> bool:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=0.5)
+        except grpc.FutureTimeoutError:
+            return False
+    return True
+
+
+def test_up_generate_prints_text_and_stops_every_service():
+    argv, ports = up("--generate", "def fibonacci(n):", "--max-new-tokens", "16")
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), done.stderr[-3000:]  # the completion
+    assert "splitspec up: SERVING at" in done.stderr
+    assert not any(listening(port) for port in ports.values()), done.stderr[-3000:]
+
+
+def test_ctrl_c_lets_a_stream_in_flight_finish_then_stops_every_service(tmp_path):
+    argv, ports = up()
+    log = (tmp_path / "up.log").open("w")
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 300
+        while "SERVING at" not in (tmp_path / "up.log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "up.log").read_text()[-3000:]
+            time.sleep(0.2)
+        stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(f"127.0.0.1:{ports['gateway']}"))
+        call = stub.GenerateStream(gateway_pb2.GenerateRequest(
+            text="class Stack:", include_token_ids=True,
+            stopping=gateway_pb2.StoppingParams(max_new_tokens=400, ignore_eos=True)), timeout=120)
+        first = next(call)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        rest = list(call)
+        assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 400
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+    text = (tmp_path / "up.log").read_text()
+    assert "stopping the gateway" in text and "ignored SIGTERM" not in text, text[-3000:]
+    assert not any(listening(port) for port in ports.values()), text[-3000:]
