@@ -58,12 +58,12 @@ def test_ctrl_c_lets_a_stream_in_flight_finish_then_stops_every_service(tmp_path
         stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(f"127.0.0.1:{ports['gateway']}"))
         call = stub.GenerateStream(gateway_pb2.GenerateRequest(
             text="class Stack:", include_token_ids=True,
-            stopping=gateway_pb2.StoppingParams(max_new_tokens=400, ignore_eos=True)), timeout=120)
+            stopping=gateway_pb2.StoppingParams(max_new_tokens=200, ignore_eos=True)), timeout=120)
         first = next(call)
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         rest = list(call)
         assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
-        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 400
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 200
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
