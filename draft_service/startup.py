@@ -11,6 +11,7 @@ for a model's cache, attention and graphs do nothing.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -202,14 +203,11 @@ def build(cfg: DraftConfig, startup: Startup) -> Built:
     """Run every step; raises InitFailed at the first that fails."""
     spec = startup.step("load_config", load_config, cfg)
     server: ServiceServer = startup.step("bind_port", bind_port, cfg)
-    served = False
-    try:
+    with contextlib.ExitStack() as cleanup:  # start-up failed after bind_port: the port goes back
+        cleanup.callback(server.release)
         built = (build_replay if spec.kind == REPLAY else build_model)(cfg, spec, startup, server)
-        served = True
-        return built
-    finally:
-        if not served:  # start-up failed after bind_port: the port goes back
-            server.release()
+        cleanup.pop_all()
+    return built
 
 
 def build_model(cfg: DraftConfig, spec: DraftSpec, startup: Startup, server: ServiceServer

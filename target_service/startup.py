@@ -17,6 +17,7 @@ while rank 0 waits for all of them in its warmup step before driving any call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -447,19 +448,15 @@ def build(cfg: TargetConfig, startup: Startup, start_engine: Callable[[Engine], 
         return None
 
     bound: list[ServiceServer] = []
+    with contextlib.ExitStack() as cleanup:  # start-up failed after bind_port: the port goes back
+        def bind() -> None:
+            bound.append(startup.step("bind_port", bind_port, cfg))
+            cleanup.callback(bound[0].release)
 
-    def bind() -> None:
-        bound.append(startup.step("bind_port", bind_port, cfg))
-
-    served = False
-    try:
         parts = build_rank(cfg, startup, where, connect, bind)
         built = start_rank0(cfg, startup, parts, bound[0], start_engine, where, wait_ranks)
-        served = True
-        return built
-    finally:
-        if bound and not served:  # start-up failed after bind_port: the port goes back
-            bound[0].release()
+        cleanup.pop_all()
+    return built
 
 
 def start_rank0(cfg: TargetConfig, startup: Startup, parts: RankParts, server: ServiceServer,

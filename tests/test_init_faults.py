@@ -161,20 +161,28 @@ def test_a_taken_port_fails_bind_port_before_the_model_loads(module, draft, tmp_
     assert steps["load_model"]["state"] == "PENDING"
 
 
-def test_a_failed_start_up_gives_its_port_back(monkeypatch):
+@pytest.mark.parametrize("service", ["draft", "target"])
+def test_a_failed_start_up_gives_its_port_back(monkeypatch, service):
     """In process: load_model fails after bind_port has bound the port; build gives it back
     (gRPC keeps a bound port that never served until the process exits), so a second
     server can bind it at once."""
-    from draft_service.__main__ import parse_args
-    from draft_service.startup import STEPS, build
+    import draft_service.__main__
+    import draft_service.startup
+    import target_service.__main__
+    import target_service.startup
     from splitspec.grpc_server import ServiceServer
     from splitspec.init_report import InitFailed, Startup
 
+    main, startup_module = {"draft": (draft_service.__main__, draft_service.startup),
+                            "target": (target_service.__main__, target_service.startup)}[service]
     port = free_port()
-    cfg = parse_args(["--port", str(port)])
+    cfg = main.parse_args(["--port", str(port)])
     monkeypatch.setenv("SPLITSPEC_INJECT_INIT_FAULT", "load_model")
-    startup = Startup("draft", STEPS)
+    startup = Startup(service, startup_module.STEPS)
     with pytest.raises(InitFailed):
-        build(cfg, startup)
+        if service == "draft":
+            startup_module.build(cfg, startup)
+        else:
+            startup_module.build(cfg, startup, lambda engine: None)
     assert startup.report.failed_step.name == "load_model"
     ServiceServer(f"127.0.0.1:{port}", 1, []).release()  # raises if the port were still held
