@@ -335,9 +335,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out-json", type=Path)
-    parser.add_argument("--top-k-kernels", action="store_true", help="the draft's top k through "
-                        "splitspec/kernels/top_logprobs.py (top_logprobs.ROUTED, off by default "
-                        "until measured) instead of torch's log_softmax and topk")
+    parser.add_argument("--torch-top-k", action="store_true", help="the draft's top k through "
+                        "torch's log_softmax and topk instead of splitspec/kernels/top_logprobs.py "
+                        "(top_logprobs.ROUTED off), as before the H200 measured the kernels")
     parser.add_argument("--torch-ops-too", action="store_true", help="also time the target "
                         "with torch's norms/rotary/activation/projections (graphs recaptured)")
     parser.add_argument("--profile", type=Path, help="write torch.profiler tables of each call "
@@ -345,10 +345,10 @@ def main() -> int:
                         "(on the H200 the 8B decode graph replayed alone took 5.20 instead of 4.75 "
                         "ms), so take the timings from a run without it")
     args = parser.parse_args()
-    if args.top_k_kernels:  # the draft's fused kernels (CUDA) then take them
+    if args.torch_top_k:  # the draft's fused kernels (CUDA) then leave them to torch
         from splitspec.kernels import top_logprobs
 
-        top_logprobs.ROUTED = True
+        top_logprobs.ROUTED = False
     dtype = parse_dtype(args.dtype)
     target_hf, eagle_hf = configs(args.shape)
     target_cfg = LlamaConfig.from_hf(target_hf)
@@ -356,7 +356,7 @@ def main() -> int:
         result = {"command": " ".join(sys.argv), "label": f"{args.shape} shape, RANDOM weights",
                   "device": torch.cuda.get_device_name() if args.device.startswith("cuda")
                   else args.device, "context": args.context, "batch": args.batch,
-                  "prompt_tokens": args.prompt_tokens, "top_k_kernels": args.top_k_kernels,
+                  "prompt_tokens": args.prompt_tokens, "torch_top_k": args.torch_top_k,
                   "tree": [args.tree_nodes, args.topk, args.depth],
                   "target": target_costs(target_cfg, args, dtype)}
         if args.device.startswith("cuda"):

@@ -35,14 +35,14 @@ def test_decode_floor_bench_runs_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_step_costs_bench_runs_on_cpu(tmp_path):
     """bench_step_costs at the built-in shape: decode, verify and draft timings and ratios
-    (--top-k-kernels recorded; on CPU the draft runs torch's ops either way)."""
+    (--torch-top-k recorded; on CPU the draft runs torch's ops either way)."""
     out = tmp_path / "costs.json"
     subprocess.run([sys.executable, "bench/bench_step_costs.py", "--shape", "builtin", "--device",
                     "cpu", "--dtype", "float32", "--iters", "3", "--warmup", "1", "--context", "32",
-                    "--top-k-kernels", "--out-json", str(out)], cwd=REPO, check=True, timeout=300,
+                    "--torch-top-k", "--out-json", str(out)], cwd=REPO, check=True, timeout=300,
                    capture_output=True)
     result = json.loads(out.read_text())
-    assert result["top_k_kernels"] is True
+    assert result["torch_top_k"] is True
     assert len(result["target"]["decode_ms"]) == 3 and len(result["draft"]["draft_ms"]) == 3
     assert result["target"]["backend"] == "torch" and not result["target"]["graphs"]
     summary = result["summary"]

@@ -16,8 +16,10 @@ than torch's (so within float rounding of torch's). :func:`top_logprobs_torch` i
 reference.
 
 :func:`top_logprobs` (what the EAGLE-3 head's tree search calls with the kernels on) takes
-the kernels only while ROUTED is set, and ROUTED stays off until a GPU run measures them
-(bench/bench_top_logprobs.py, and the draft graph of bench/bench_step_costs.py).
+the kernels while ROUTED is set, as it is since the H200 measured them: 5-8 µs against torch's
+53-65 µs a level at 1-16 rows of 32000 ids, and the 8B draft graph 1.647 -> 1.350 ms
+(docs/benchmarks.md, nineteenth part; bench/bench_top_logprobs.py, bench/bench_step_costs.py
+--torch-top-k).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import triton.language as tl
 BLOCK = 2048  # columns of a row a program of the first kernel reads (a power of two)
 WARPS = 4     # each kernel's warps
 MAX_K = 32    # the most tokens a row the kernels return; more go to torch
-ROUTED = False  # top_logprobs through the kernels: not before a GPU has measured them
+ROUTED = True  # top_logprobs through the kernels (False: torch's, as bench_step_costs --torch-top-k)
 
 
 def top_logprobs_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
