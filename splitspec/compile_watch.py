@@ -65,12 +65,42 @@ def compiled_while_serving() -> list[str]:
         return list(_WATCH.compiled)
 
 
+def describe(hook_args: dict[str, Any]) -> str:
+    """A variant as its kernel, warps and stages, each argument's type with ``div16`` where
+    Triton specialised it as a multiple of 16 (an integer) or 16-byte aligned (a pointer),
+    and each constexpr's value: what tells two variants of a kernel apart, e.g.
+    ``_gemv_kernel[num_warps=4, num_stages=3](x: *bf16, w: *bf16 div16, ..., K=4096)``.
+
+    Built from the hook's ``compile`` arguments (signature, constants, configs), because
+    Triton 3.3 and later pair the parameters with the characters of a string key in the
+    ``repr`` it passes (``_gemv_kernel[...](x: (``); that ``repr`` is the fallback where
+    the arguments lack a signature."""
+    compile_args = hook_args.get("compile") or {}
+    signature = compile_args.get("signature")
+    if not isinstance(signature, dict):
+        return str(hook_args.get("repr", "a kernel"))
+    constants = compile_args.get("constants") or {}
+    configs = compile_args.get("configs") or [{}]
+    attrs = configs[0] if isinstance(configs[0], dict) else {}
+    args = []
+    for i, (name, kind) in enumerate(signature.items()):
+        if kind == "constexpr":
+            args.append(f"{name}={constants.get((i,), '?')}")
+        else:
+            div16 = any(attr[0] == "tt.divisibility" for attr in attrs.get((i,), ()))
+            args.append(f"{name}: {kind}{' div16' if div16 else ''}")
+    fn = hook_args.get("fn")
+    name = getattr(fn, "name", None) or str(hook_args.get("repr", "a kernel")).split("[")[0]
+    return (f"{name}[num_warps={compile_args.get('num_warps', '?')}, "
+            f"num_stages={compile_args.get('num_stages', '?')}]({', '.join(args)})")
+
+
 def _on_compile(**hook_args: Any) -> Any:
     """Triton's post-compile hook (keyword arguments: key, repr, fn, compile, ...)."""
     previous = _WATCH.previous
     result = previous(**hook_args) if previous is not None else None
     if _WATCH.is_serving:
-        variant = str(hook_args.get("repr", "a kernel"))
+        variant = describe(hook_args)
         with _WATCH.lock:
             _WATCH.compiled.append(variant)
         log.warning("Triton compiled a kernel variant while serving (the call that needed it "

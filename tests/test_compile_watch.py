@@ -4,6 +4,7 @@ listed (here the hook is called as Triton calls it; on a GPU, by a real compile)
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,9 +27,33 @@ def hooks():
 
 
 def compiled(runtime, name: str) -> None:
-    """What Triton does after compiling a variant (triton/runtime/jit.py's _call_hook)."""
+    """A hook call with a ready description and no signature (the watch's fallback)."""
     runtime.jit_post_compile_hook(key=(name,), repr=name, fn=None, compile={},
                                   is_manual_warmup=False, already_compiled=False)
+
+
+def test_a_variant_is_described_by_its_arguments_types_alignment_and_constexprs():
+    """The hook's arguments as Triton 3.9's _call_hook builds them (triton/runtime/jit.py) for
+    _gemv_kernel: its ``repr`` pairs the parameters with the characters of the string key,
+    so the description is built from the signature, the constexprs and the divisibility
+    attributes (a row x at an odd address: no div16)."""
+    names = ["x", "w", "out", "N", "w_row", "K", "BLOCK_N", "BLOCK_K"]
+    kinds = ["*bf16", "*bf16", "*bf16", "i32", "i32", "constexpr", "constexpr", "constexpr"]
+    div16 = [[], [["tt.divisibility", 16]], [["tt.divisibility", 16]], [],
+             [["tt.divisibility", 16]]]
+    key = "[('*bf16', ''), ('*bf16', 'D'), ...]{'num_warps': 4}"
+    hook_args = {
+        "key": key, "repr": "_gemv_kernel[num_warps=4, num_ctas=1, num_stages=3](x: [)",
+        "fn": SimpleNamespace(name="_gemv_kernel", module="splitspec.kernels.gemv"),
+        "compile": {"key": key, "signature": dict(zip(names, kinds, strict=True)),
+                    "constants": {(5,): 4096, (6,): 64, (7,): 256}, "num_warps": 4,
+                    "num_stages": 3, "configs": [{(i,): attr for i, attr in enumerate(div16)}]},
+        "is_manual_warmup": False, "already_compiled": False}
+    assert compile_watch.describe(hook_args) == (
+        "_gemv_kernel[num_warps=4, num_stages=3](x: *bf16, w: *bf16 div16, out: *bf16 div16, "
+        "N: i32, w_row: i32 div16, K=4096, BLOCK_N=64, BLOCK_K=256)")
+    # without a signature (an older Triton): its repr as it is
+    assert compile_watch.describe({**hook_args, "compile": {}}) == hook_args["repr"]
 
 
 def test_variants_compiled_after_serving_are_logged_and_listed(hooks, caplog):
@@ -51,7 +76,7 @@ def test_variants_compiled_after_serving_are_logged_and_listed(hooks, caplog):
 @pytest.mark.gpu
 def test_a_real_compile_after_serving_is_listed(hooks):
     """On the GPU machine's Triton: a variant no other test uses (gemv with a 2-warp config),
-    compiled after serving(), is listed by its kernel's name."""
+    compiled after serving(), is listed with its arguments and constexprs."""
     from splitspec.kernels.gemv import GemvConfig, gemv
 
     compile_watch._WATCH.compiled = []
@@ -59,4 +84,8 @@ def test_a_real_compile_after_serving_is_listed(hooks):
     compile_watch.serving()
     x, w = torch.randn(1, 96, device="cuda"), torch.randn(40, 96, device="cuda")
     gemv(x, w, GemvConfig(8, 32, 2, 2))
-    assert any("_gemv_kernel" in name for name in compile_watch.compiled_while_serving())
+    (variant,) = [name for name in compile_watch.compiled_while_serving()
+                  if name.startswith("_gemv_kernel[num_warps=2, num_stages=2](")]
+    assert "x: *fp32 div16, w: *fp32 div16" in variant and "N: i32, " in variant
+    assert variant.endswith("K=96, BLOCK_N=8, BLOCK_K=32)")
+
