@@ -89,3 +89,66 @@ def test_a_real_compile_after_serving_is_listed(hooks):
     assert "x: *fp32 div16, w: *fp32 div16" in variant and "N: i32, " in variant
     assert variant.endswith("K=96, BLOCK_N=8, BLOCK_K=32)")
 
+
+@pytest.mark.gpu
+def test_counts_and_offsets_that_change_while_serving_reuse_start_ups_variants(hooks):
+    """What changes from step to step while serving (a count or length that is a multiple
+    of 16 or not, or 1; a list or a row at an odd address) makes Triton compile no new variant:
+    each kernel met once before serving() (as start-up's warmup meets it), then again with
+    only those changed. Before, each such change could compile (and fail) mid-request:
+    the trained pair's end-to-end run compiled _compact_kernel and _gemv_kernel while
+    serving (docs/benchmarks.md, nineteenth part)."""
+    from splitspec.kernels.gemv import GemvConfig, few_rows, gemv
+    from splitspec.kernels.kv_compact import compact_kv
+    from splitspec.kv_cache import KVCache
+    from tests import kernel_cases as cases
+
+    def met(then_serving: bool) -> None:
+        dtype, dev = torch.bfloat16, "cuda"
+        # the KV compaction: 3 moves from fresh lists, then 16 and 1 (Triton makes an int
+        # argument equal to 1 a constant) from lists at odd addresses
+        for count, offset in ((3, 0), (16, 1), (1, 3)) if then_serving else ((3, 0),):
+            cache = KVCache(2, 10, 16, 3, 48, dtype, dev)
+            cache.data.copy_(torch.randn(cache.data.shape).to(dtype))
+            want = cache.data.clone()
+            slots = torch.arange(100, device=dev)
+            src, dst = slots[60 + offset:60 + offset + count], slots[offset:offset + count]
+            compact_kv(cache.data, src, dst)
+            reference = KVCache(2, 10, 16, 3, 48, dtype, dev)
+            reference.data.copy_(want)
+            reference.copy_slots_torch(src, dst)
+            assert torch.equal(cache.data, reference.data)
+        # one row (then one at an odd address) and a few rows (3, then 16)
+        w = torch.randn(40, 96, device=dev, dtype=dtype)
+        buffer = torch.randn(2, 97, device=dev, dtype=dtype)
+        for x in (buffer[:1, :96], buffer[1:, 1:]) if then_serving else (buffer[:1, :96],):
+            want = (x.float() @ w.float().T).to(dtype)
+            cases.close(gemv(x, w, GemvConfig(8, 32, 4)), want, "gemv", scale=want.abs() + 1e-2)
+        for rows in (3, 16) if then_serving else (3,):
+            x = torch.randn(rows, 96, device=dev, dtype=dtype)
+            want = (x.float() @ w.float().T).to(dtype)
+            cases.close(few_rows(x, w, GemvConfig(16, 32, 4)), want, "few_rows",
+                        scale=want.abs() + 1e-2)
+        # the tree's levels: width 4 and 12 keys seen, then width 16 and 16 keys (one block)
+        cases.check_tree(dev, dtype, 2, 4, 8, 3, 8, 2, 64, 1.0)
+        if then_serving:
+            cases.check_tree(dev, dtype, 2, 16, 1, 1, 8, 2, 64, 1.0)
+        # prompts: 40 rows, then 48 (two key blocks either way)
+        cases.check_prompts(dev, dtype, [30, 10], 40, 8, 2, 64)
+        if then_serving:
+            cases.check_prompts(dev, dtype, [30, 18], 48, 8, 2, 64)
+        # paged decode and a verify's prefix: tables 4 wide, 9 rows a sequence; then 16 wide
+        # (240 keys), 16 rows. check_paged_decode also runs 1 split and 3 more: 12, 1, 15,
+        # then 13, 1, 16 (the merge's block of splits, a constexpr, is 16 for all but 1).
+        # (float32: its bf16 bound is loose enough only for run_paged_decode's lengths)
+        for lengths, splits, rows in (([40, 7], 12, 1), ([40, 7], 12, 9), ([240, 7], 13, 1),
+                                      ([240, 7], 13, 16))[:4 if then_serving else 2]:
+            cases.check_paged_decode(dev, torch.float32, lengths, 16, 8, 2, 64, splits=splits,
+                                     rows=rows)
+
+    compile_watch._WATCH.compiled = []
+    assert compile_watch.watch()
+    met(then_serving=False)
+    compile_watch.serving()
+    met(then_serving=True)
+    assert compile_watch.compiled_while_serving() == []

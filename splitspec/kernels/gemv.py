@@ -83,7 +83,7 @@ def _gemv_kernel(x, w, out, N, w_row, K: tl.constexpr, BLOCK_N: tl.constexpr,
     tl.store(out + n, tl.sum(acc, axis=1).to(out.dtype.element_ty), mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count varies: no variant for 16, 32, ... (kv_compact)
 def _rows_kernel(x, w, out, M, N, x_row, w_row, out_row, K: tl.constexpr, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     m = tl.arange(0, ROWS)
@@ -149,6 +149,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT) -> torc
                          f"{w.dtype} (got {x.dtype}) and w's columns contiguous")
     _check_blocks(config)
     row = x.reshape(k).contiguous()
+    if row.data_ptr() % 16:  # a row at an odd offset would compile its own variant: copied
+        row = row.clone()
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, config.block_n),)](
         row, w, out, n, w.stride(0), K=k, BLOCK_N=config.block_n, BLOCK_K=config.block_k,

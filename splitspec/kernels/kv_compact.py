@@ -31,7 +31,12 @@ def moves_block(num: int) -> int:
     return max(MIN_MOVES, triton.next_power_of_2(num))
 
 
-@triton.jit
+# The move count and the slot lists change from step to step. Triton compiles a variant of
+# its own for an int argument equal to 1 (a constant) or a multiple of 16, and for a pointer
+# 16-byte aligned: not for these, so every step reuses the variant warm-up compiled
+# (tests/test_compile_watch.py checks each kernel's on the GPU).
+@triton.jit(do_not_specialize=["num_moves"],
+            do_not_specialize_on_alignment=["src_slots", "dst_slots"])
 def _compact_kernel(data, src_slots, dst_slots, num_moves, num_pages,
                     PAGE: tl.constexpr, WIDTH: tl.constexpr, MOVES: tl.constexpr,
                     BLOCK_COLS: tl.constexpr):

@@ -70,7 +70,10 @@ def _key_block(query, cache, table, first, end, b, kv_head, top, total, acc, c_p
     return new_top, total, acc
 
 
-@triton.jit
+# The table's width (the batch's longest sequence in pages), the splits and the rows a
+# sequence change from call to call, and the log-sum-exp scratch's strides with the splits:
+# no variant of their own for 1 or multiples of 16 (kv_compact.py says why).
+@triton.jit(do_not_specialize=["t_seq", "l_seq", "l_head", "splits", "rows"])
 def _split_kernel(q, cache, table, part_out, part_lse,
                   q_seq, q_head, c_page, c_kv, c_slot, c_head, t_seq, p_seq, p_head, p_split,
                   l_seq, l_head, splits, group, rows, sm_scale_log2,
@@ -120,7 +123,7 @@ def _split_kernel(q, cache, table, part_out, part_lse,
     tl.store(part_lse + row * l_seq + heads * l_head + s, lse, mask=has_g)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["l_seq", "l_head", "splits"])  # as above
 def _merge_kernel(part_out, part_lse, out, lse_out, p_seq, p_head, p_split, l_seq, l_head,
                   o_seq, o_head, s_row, s_head, splits, D: tl.constexpr, BLOCK_S: tl.constexpr,
                   WITH_LSE: tl.constexpr):

@@ -28,7 +28,7 @@ BLOCK_M = 64
 BLOCK_N = 32
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # the rows vary: no variant for 1, 16, ... (kv_compact)
 def _prompt_attention_kernel(q, k, v, starts, out, rows, q_row, q_head, k_row, k_head,
                              v_row, v_head, o_row, o_head, group, scale_log2,
                              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -20,7 +20,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The tree's width, the keys seen so far and the mask's strides change from level to level
+# and step to step: no variant of their own for 1 or multiples of 16 (kv_compact.py says why).
+@triton.jit(do_not_specialize=["a_seq", "a_row", "width", "seen"])
 def _tree_attention_kernel(q, keys, values, allowed, prefix_out, prefix_lse, out,
                            q_row, q_head, k_seq, k_node, k_head, a_seq, a_row, p_row, p_head,
                            l_row, l_head, o_row, o_head, width, seen, group, lse_scale, sm_scale,
