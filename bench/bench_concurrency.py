@@ -79,7 +79,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import logging
 import math
 import os
 import platform
@@ -103,6 +102,7 @@ from bench_speculation import (
     add_stack_arguments,
     free_port,
     load_prompts,
+    log_policy_decisions,
     run_target,
     start_stack,
     start_target,
@@ -618,14 +618,7 @@ def record_replay(target_model: Path, prompts: list[list[int]], args: argparse.N
 
 
 def main(argv: list[str] | None = None) -> int:
-    # The adaptive policy's decisions, with the rates behind them, go to stderr with the
-    # progress lines: they are what explains an adaptive column.
-    policy_log = logging.getLogger("gateway.policy")
-    policy_log.setLevel(logging.INFO)
-    if not policy_log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s policy: %(message)s"))
-        policy_log.addHandler(handler)
+    log_policy_decisions()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_stack_arguments(  # --device and --dtype are also recorded with the results
         parser, (REPLAY,), "; replay: the replay draft on the target's recorded continuations "

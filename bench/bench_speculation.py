@@ -13,6 +13,7 @@ target on free ports (``--draft-kind eagle3|standalone|self``).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import queue
 import socket
@@ -262,7 +263,19 @@ def load_prompts(source: str, tokenizer_dir: Path, num: int, prompt_len: int) ->
                                            prompt_len)]
 
 
+def log_policy_decisions() -> None:
+    """The adaptive policy's decisions, with the rates behind them, go to stderr with the
+    progress lines: they are what explains an adaptive column."""
+    policy_log = logging.getLogger("gateway.policy")
+    policy_log.setLevel(logging.INFO)
+    if not policy_log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s policy: %(message)s"))
+        policy_log.addHandler(handler)
+
+
 def main() -> int:
+    log_policy_decisions()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_stack_arguments(parser)
     parser.add_argument("--gateway", default="", help="also time end to end through this gateway")
