@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import signal
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from splitspec.init_report import (
     fail_startup,
     write_report,
 )
+from splitspec.signals import StopSignals
 from splitspec.tokenizer import ModelTokenizer, load_tokenizer
 from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -54,7 +54,6 @@ log = logging.getLogger("gateway")
 STEPS = ["load_config", "load_tokenizer", "start_server", "connect_target", "open_stream", "warmup"]
 WARMUP_PROMPT = "The quick brown fox"
 WARMUP_NEW_TOKENS = 4
-SHUTDOWN_GRACE_S = 2.0
 
 
 class HealthGate:
@@ -125,7 +124,7 @@ class RunningGateway:
         return aborted
 
     def stop(self) -> None:
-        self.server.stop(SHUTDOWN_GRACE_S)
+        self.server.stop()
         self.target.close()
 
 
@@ -233,18 +232,6 @@ def start(startup: Startup, args: argparse.Namespace) -> RunningGateway:
 def start_gateway(argv: Sequence[str]) -> RunningGateway:
     """Start a gateway in this process from command-line flags (for tests); raises InitFailed."""
     return start(Startup("gateway", STEPS), build_parser().parse_args(argv))
-
-
-class StopSignals:
-    """SIGTERM and SIGINT, counted: ``first`` is set by the first, ``again`` by any later."""
-
-    def __init__(self) -> None:
-        self.first, self.again = threading.Event(), threading.Event()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        (self.again if self.first.is_set() else self.first).set()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -99,9 +99,9 @@ class RequestRun:
     """Iterate once (on the handler thread) for the request's chunks; the last has ``final``.
 
     The iteration ends without a final chunk only when the request was
-    cancelled. Raises ServiceError(UNAVAILABLE) when the target stream is lost
-    or the run was aborted, and ServiceError(INTERNAL) when the target fails the
-    request. ``on_end`` is called (once or more) when the run has ended or the
+    cancelled. Raises ServiceError(UNAVAILABLE) when the target stream is lost,
+    the run was aborted or a stopping target refused the request, and
+    ServiceError(INTERNAL) when the target fails the request. ``on_end`` is called (once or more) when the run has ended or the
     client went away.
 
     The request's span (GenAI conventions) lives from the first iteration to the
@@ -248,6 +248,9 @@ class RequestRun:
     def _last_chunk(self, delta: target_pb2.TokenDelta, text_now: str, new_ids: tuple[int, ...],
                     text: TextStream, timing: _Timing) -> Chunk:
         if delta.finish_reason == common_pb2.FINISH_REASON_ERROR:
+            if delta.retryable:  # the target is stopping: another try may find it back
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE,
+                                   f"the target refused request {self.request_id}: {delta.error}")
             raise ServiceError(grpc.StatusCode.INTERNAL,
                                f"the target failed request {self.request_id}: {delta.error}")
         tail = text.finish()

@@ -37,6 +37,8 @@ CHANNEL_OPTIONS = [
 WAIT_REPORT_S = 10.0
 
 
+STOP_GRACE_S = 2.0  # a stopping server's calls get this long to end before they are cancelled
+
 class ServiceError(Exception):
     """An error to return to the caller as a gRPC status."""
 
@@ -150,7 +152,7 @@ class ServiceServer:
     def set_not_serving(self) -> None:
         self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    def stop(self, grace_s: float = 2.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         self.set_not_serving()
         self.server.stop(grace_s).wait()
 

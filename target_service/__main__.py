@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
+import time
 
 from splitspec import compile_watch, telemetry
 from splitspec.config_args import add_arguments, from_args
+from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import InitFailed, Startup, fail_startup, write_report
+from splitspec.signals import StopSignals
 from target_service.config import TargetConfig
 from target_service.engine import Engine
 from target_service.ranks import RankSet, free_address
@@ -33,7 +35,10 @@ def parse_args(argv: list[str] | None) -> TargetConfig:
         prog="python -m target_service",
         description="SplitSpec target service: serves the big model, verifies draft token trees.")
     add_arguments(parser, TargetConfig)
-    return from_args(TargetConfig, parser.parse_args(argv))
+    cfg = from_args(TargetConfig, parser.parse_args(argv))
+    if not cfg.drain_timeout_s >= 0:
+        parser.error(f"--drain-timeout-s must be >= 0 (got {cfg.drain_timeout_s})")
+    return cfg
 
 
 def placement(cfg: TargetConfig) -> Placement:
@@ -49,6 +54,30 @@ def placement(cfg: TargetConfig) -> Placement:
     return Placement(0, cfg.tp, free_address() if cfg.tp > 1 else "")
 
 
+def drain(server: ServiceServer, engine: Engine, timeout_s: float, interrupt: threading.Event,
+          crashed: threading.Event) -> None:
+    """A signal asked the target to stop: health NOT_SERVING, new requests refused (the
+    gateway answers them UNAVAILABLE), and the requests in flight get up to ``timeout_s`` to
+    finish, unless ``interrupt`` (a second signal) or ``crashed`` cuts the wait short. Those
+    still running then end with the target's stream (the gateway fails them UNAVAILABLE)."""
+    server.set_not_serving()
+    engine.drain()
+    in_flight = engine.num_in_flight
+    log.info("target stopping: NOT_SERVING, new requests refused; waiting up to %g s for the "
+             "%d request(s) in flight (--drain-timeout-s; a second signal stops at once)",
+             timeout_s, in_flight)
+    deadline = time.monotonic() + timeout_s
+    # (a request taken from the inbox in the instant this looks is refused, and its refusal
+    # is sent before the engine's loop looks at its stop event again)
+    while not engine.is_idle():
+        if interrupt.is_set() or crashed.is_set() or time.monotonic() >= deadline:
+            log.warning("target stopping: %d request(s) still in flight; they end with the "
+                        "target's stream", engine.num_in_flight)
+            return
+        interrupt.wait(0.02)
+    log.info("target stopping: the requests in flight finished")
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     where = placement(cfg)
@@ -58,12 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s target %(levelname)s %(message)s")
     telemetry.setup("target")
     compile_watch.watch()  # Triton variants first met while serving get logged
-    stop = threading.Event()
+    stop = threading.Event()  # the engine's loop ends
+    wake = threading.Event()  # main's wait ends: a signal, a crash or a lost rank
     crashed: list[BaseException] = []
 
     def on_crash(exc: BaseException) -> None:
         crashed.append(exc)
         stop.set()
+        wake.set()
 
     engine_threads: list[threading.Thread] = []
 
@@ -93,18 +124,21 @@ def main(argv: list[str] | None = None) -> int:
             built.engine.abort(message)
             crashed.append(RuntimeError(message))
             stop.set()
+            wake.set()
 
         ranks.on_lost = rank_lost
         ranks.serving = True
         built.engine.settle_failure = lambda: ranks.wait_lost(SETTLE_LOST_RANK_S)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    signals = StopSignals(wake)
     write_report(startup.report, cfg.init_report)
     built.server.set_serving()
     compile_watch.serving()
     log.info("target SERVING on %s (%d rank%s)", cfg.address, where.size,
              "s" if where.size > 1 else "")
-    stop.wait()
+    wake.wait()
+    if not crashed:
+        drain(built.server, built.engine, cfg.drain_timeout_s, signals.again, stop)
+    stop.set()
     if ranks is not None and not crashed:
         ranks.stopping()  # the ranks exit when the engine releases them: not a failure
     built.server.stop()

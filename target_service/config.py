@@ -51,6 +51,10 @@ class TargetConfig:
                                   "are emitted (the same tokens either way; off: on 2 CPU "
                                   "cores the overlap slowed the draft more than it saved, "
                                   "docs/benchmarks.md)")
+    drain_timeout_s: float = option(25.0, "on SIGTERM / SIGINT: seconds to let the requests in "
+                                    "flight finish (health NOT_SERVING; new requests are "
+                                    "refused, and the gateway answers them UNAVAILABLE) before "
+                                    "stopping; a second signal stops at once")
     draft_timeout_s: float = option(2.0, "deadline of one draft exchange; past it the step decodes plainly")
     connect_timeout_s: float = option(120.0, "how long connect_draft waits for the draft to be SERVING")
     init_report: Path | None = option(None, "also write the JSON init report to this file")

@@ -52,6 +52,7 @@ from target_service.sequence import FeatureHistory, Sequence, SpecCounters
 log = logging.getLogger(__name__)
 
 NO_SPECULATION = common_pb2.DraftShape()
+STOPPING = "the target is stopping and admits no new requests (a later try may succeed)"
 
 _TRACER = telemetry.tracer("splitspec.target")
 _METER = telemetry.meter("splitspec.target")
@@ -182,6 +183,7 @@ class Engine:
         self._pending: dict[int, list[target_pb2.TokenDelta]] = {}  # stream id -> deltas to send
         self._lock = threading.Lock()
         self.failure = ""  # why the engine cannot serve any more (see abort)
+        self._draining = False  # stopping: new requests are refused (see drain)
         # Called when a step fails, before requests and streams end: under --tp, waits for the
         # rank watcher to report a rank that died, so that its abort names the cause (a
         # collective's error names no rank).
@@ -205,6 +207,21 @@ class Engine:
         with self._lock:
             self.failure = message
         self._end_streams()
+
+    def drain(self) -> None:
+        """Thread-safe: the target is stopping. From now on every new request is refused at
+        once (an error delta marked retryable, which the gateway answers with UNAVAILABLE);
+        the requests admitted before go on to their end."""
+        self._draining = True
+
+    @property
+    def num_in_flight(self) -> int:
+        """Thread-safe: requests admitted and not yet finished."""
+        return len(self._by_request)
+
+    def is_idle(self) -> bool:
+        """Thread-safe: no request in flight and none waiting to be admitted or refused."""
+        return not self._by_request and self._inbox.empty()
 
     def submit(self, stream_id: int, request: target_pb2.ServeRequest) -> None:
         self._inbox.put((stream_id, request))
@@ -336,6 +353,9 @@ class Engine:
             max_new_tokens=admit.max_new_tokens, stop_ids=frozenset(stop_ids),
             speculation=admit.speculation, table=PageTable(self.page_size),
             seq_id=next(self._seq_ids), sampling=SamplingParams.from_pb(admit.sampling).with_seed())
+        if self._draining:
+            self._emit(seq, [], common_pb2.FINISH_REASON_ERROR, STOPPING, retryable=True)
+            return
         problem = self._admission_error(seq)
         if problem:
             self._emit(seq, [], common_pb2.FINISH_REASON_ERROR, problem)
@@ -725,9 +745,10 @@ class Engine:
             self._finish(seq)
         return len(kept)
 
-    def _emit(self, seq: Sequence, tokens: list[int], finish: int, error: str = "") -> None:
+    def _emit(self, seq: Sequence, tokens: list[int], finish: int, error: str = "",
+              retryable: bool = False) -> None:
         delta = target_pb2.TokenDelta(request_id=seq.request_id, token_ids=tokens,
-                                      finish_reason=finish, error=error)
+                                      finish_reason=finish, error=error, retryable=retryable)
         if finish:
             delta.spec.CopyFrom(seq.spec.to_pb())
             delta.queue_s = seq.queue_s

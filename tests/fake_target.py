@@ -47,6 +47,7 @@ class FakeTarget(target_pb2_grpc.TargetServicer):
     _break: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     num_streams: int = 0
+    refusal: target_pb2.TokenDelta | None = None  # set: every admit is answered with this
 
     def GetInfo(self, request: target_pb2.GetTargetInfoRequest,
                 context: grpc.ServicerContext) -> target_pb2.TargetInfo:
@@ -78,7 +79,9 @@ class FakeTarget(target_pb2_grpc.TargetServicer):
         while context.is_active():
             if self._break.is_set():
                 context.abort(grpc.StatusCode.UNAVAILABLE, "fake target outage")
-            self._take(inbox, sequences)
+            refused = self._take(inbox, sequences)
+            if refused:
+                yield target_pb2.ServeEvent(deltas=refused)
             time.sleep(self.step_s)
             if self.is_paused.is_set():
                 continue
@@ -92,20 +95,27 @@ class FakeTarget(target_pb2_grpc.TargetServicer):
                     step=step, batch_size=len(deltas), speculated=True))
 
     def _take(self, inbox: queue.Queue[target_pb2.ServeRequest],
-              sequences: dict[int, _Sequence]) -> None:
+              sequences: dict[int, _Sequence]) -> list[target_pb2.TokenDelta]:
+        """The requests waiting in inbox; returns the refusals of admits (see ``refusal``)."""
+        refused = []
         while not inbox.empty():
             request = inbox.get()
             kind = request.WhichOneof("kind")
             with self._lock:
                 if kind == "admit":
                     self.admits.append(request.admit)
-                    sequences[request.admit.request_id] = _Sequence(request.admit)
+                    if self.refusal is not None:
+                        refused.append(target_pb2.TokenDelta(request_id=request.admit.request_id))
+                        refused[-1].MergeFrom(self.refusal)
+                    else:
+                        sequences[request.admit.request_id] = _Sequence(request.admit)
                 elif kind == "cancel":
                     self.cancels.append(request.cancel.request_id)
                     if request.cancel.request_id in sequences:
                         sequences[request.cancel.request_id].is_cancelled = True
                 elif kind == "policy":
                     self.policies.append(request.policy)
+        return refused
 
     def _advance(self, seq: _Sequence) -> target_pb2.TokenDelta:
         admit = seq.admit

@@ -62,19 +62,21 @@ def test_target_ranks_follow_its_gpu_count():
     assert target["ipc"] == "host"
 
 
+@pytest.mark.parametrize("service", ["gateway", "target"])
 @pytest.mark.parametrize("stack", ["gpu", "cpu"])
-def test_the_gateway_has_time_to_drain_before_compose_kills_it(stack):
+def test_the_gateway_and_the_target_have_time_to_drain_before_compose_kills_them(stack, service):
     """compose SIGKILLs a service stop_grace_period after SIGTERM (10 s unless set): the
-    gateway's must cover its drain and its server's grace after it."""
-    from gateway.app import SHUTDOWN_GRACE_S
+    gateway's and the target's must cover their drain and their server's grace after it."""
     from gateway.config import GatewayConfig
+    from splitspec.grpc_server import STOP_GRACE_S
 
-    services = load(GPU)["services"] if stack == "gpu" else merged()
-    gateway = services["gateway"]
-    drain = GatewayConfig.from_args(build_parser().parse_args(defaults(gateway["command"][3:])))
-    grace = re.fullmatch(r"(\d+)s", gateway.get("stop_grace_period", "10s"))
-    assert grace is not None, gateway.get("stop_grace_period")
-    assert int(grace.group(1)) >= drain.drain_timeout_s + SHUTDOWN_GRACE_S + 1
+    spec = (load(GPU)["services"] if stack == "gpu" else merged())[service]
+    argv = defaults(spec["command"][3:])
+    drain_s = (GatewayConfig.from_args(build_parser().parse_args(argv)) if service == "gateway"
+               else target_args(argv)).drain_timeout_s
+    grace = re.fullmatch(r"(\d+)s", spec.get("stop_grace_period", "10s"))
+    assert grace is not None, spec.get("stop_grace_period")
+    assert int(grace.group(1)) >= drain_s + STOP_GRACE_S + 1
 
 
 @pytest.mark.parametrize("stack", ["gpu", "cpu"])

@@ -8,10 +8,12 @@ what transformers' own greedy generate produces on the same checkpoint.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import time
 
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2
 from transformers import LlamaForCausalLM
 
 from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_TARGET
@@ -287,6 +289,40 @@ def test_seeded_sampling_reproduces_with_and_without_speculation(eagle_stack):
     # A seed fixes the draw at every position, so speculation cannot change the text.
     assert sample(7) == sample(7) == sample(7, OFF)
     assert len({tuple(sample(seed)) for seed in range(4)}) > 1
+
+
+def test_sigterm_drains_the_target_the_stream_in_flight_finishes_new_requests_unavailable(logs):
+    """The target alone restarted (docker compose restart target, a rollout): SIGTERM drains
+    it. Its health turns NOT_SERVING, a request sent then gets UNAVAILABLE naming the stop (a
+    client may try again), the stream in flight gets every token, and the target exits 0
+    once that stream has ended. Before, the stream was cut at once with UNAVAILABLE ("lost
+    the target stream")."""
+    stack = start_stack(logs, [], gateway_args=TREE)
+    _, target, gateway = stack
+    try:
+        stub = gateway_stub(gateway)
+        call = stub.GenerateStream(gateway_pb2.GenerateRequest(
+            text=PROMPTS[0], speculation=OFF, include_token_ids=True,
+            stopping=gateway_pb2.StoppingParams(max_new_tokens=400, ignore_eos=True)),
+            timeout=120)
+        tokens = list(next(call).token_ids)
+        target.proc.terminate()
+        deadline = time.monotonic() + 10
+        while target.health() == health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "the target ignored SIGTERM"
+        with pytest.raises(grpc.RpcError) as refused:
+            generate(stub, PROMPTS[1], OFF, max_new=4)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        assert "the target is stopping" in refused.value.details()
+        chunks = list(call)
+        tokens += [t for chunk in chunks for t in chunk.token_ids]
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH and len(tokens) == 400
+        code, _ = target.wait_exit(timeout_s=30)
+        assert code == 0, target.log
+        assert "the requests in flight finished" in target.log
+    finally:
+        for service in stack:
+            service.stop()
 
 
 @pytest.mark.parametrize("first", ["target_service", "draft_service", "gateway"])

@@ -18,7 +18,7 @@ import torch
 from splitspec.kv_cache import PagePool
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
 from target_service.draft_client import ExchangeResult, Sent
-from target_service.engine import Engine, EngineLimits
+from target_service.engine import STOPPING, Engine, EngineLimits
 from target_service.scheduler import Scheduler
 
 
@@ -83,6 +83,47 @@ def test_step_stats_say_whether_the_forward_replayed_a_graph(graphed):
         tokens, _ = engine.generate([3, 1, 4], 2, common_pb2.SPECULATION_MODE_OFF)
         assert len(tokens) == 2
         assert engine.last_stats.batch_size == 1 and engine.last_stats.graphed == graphed
+
+
+class SlowRunner(NullRunner):
+    """Each forward takes 10 ms: a request stays in flight while a test acts."""
+
+    def forward(self, batch):
+        time.sleep(0.01)
+        return super().forward(batch)
+
+
+def test_a_draining_engine_refuses_new_requests_as_retryable_and_finishes_those_in_flight():
+    """Engine.drain (the target's SIGTERM): a request admitted before runs to its last token;
+    one that arrives after is refused at once, marked retryable, with no token; then the
+    engine is idle (what the target's main waits for before it stops)."""
+    with running_engine(SlowRunner(), PagePool(8)) as engine:
+        stream, outbox = engine.open_stream()
+
+        def admit(request_id: int) -> None:
+            engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
+                request_id=request_id, prompt_ids=[2, 7], max_new_tokens=10, ignore_eos=True,
+                speculation=common_pb2.SPECULATION_MODE_OFF)))
+
+        admit(1)
+        deadline = time.monotonic() + 5
+        while engine.num_in_flight == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        engine.drain()
+        admit(2)
+        tokens: dict[int, list[int]] = {1: [], 2: []}
+        last: dict[int, target_pb2.TokenDelta] = {}
+        while len(last) < 2:
+            for delta in outbox.get(timeout=5).deltas:
+                tokens[delta.request_id] += delta.token_ids
+                if delta.finish_reason:
+                    last[delta.request_id] = delta
+        assert last[1].finish_reason == common_pb2.FINISH_REASON_LENGTH and len(tokens[1]) == 10
+        assert not last[1].retryable and not last[1].error
+        assert last[2].finish_reason == common_pb2.FINISH_REASON_ERROR and last[2].retryable
+        assert last[2].error == STOPPING and tokens[2] == []
+        assert engine.is_idle() and engine.num_in_flight == 0
 
 
 class FailingRunner(NullRunner):
@@ -169,12 +210,6 @@ def test_a_rank_that_died_behind_a_failed_step_is_the_cause_every_stream_reports
     while outbox.get(timeout=5) is not None:  # the gateway's stream ends
         pass
     assert _generate_error(engine) == "generation failed: target rank 1 died (exit code -9)"
-
-
-class SlowRunner(NullRunner):
-    def forward(self, batch):
-        time.sleep(0.01)
-        return super().forward(batch)
 
 
 def test_an_aborted_engine_fails_generation_with_its_reason():

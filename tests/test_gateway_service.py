@@ -16,7 +16,7 @@ from gateway.app import RunningGateway, start_gateway
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.init_report import InitFailed, StepState
 from splitspec.tokenizer import load_tokenizer
-from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, target_pb2
 from tests.fake_target import FakeTarget, serve_fake_target
 from tests.stack import Service
 
@@ -277,6 +277,26 @@ def test_drain_lets_requests_in_flight_finish_and_refuses_new_ones(
         assert running.core.num_in_flight == 0
     finally:
         running.stop()
+
+
+@pytest.mark.parametrize(("retryable", "code", "says"), [
+    (True, grpc.StatusCode.UNAVAILABLE, "the target refused request"),
+    (False, grpc.StatusCode.INTERNAL, "the target failed request")])
+def test_a_request_the_target_refuses_while_stopping_is_unavailable_other_failures_internal(
+        gateway: RunningGateway, fake: tuple[FakeTarget, int], retryable: bool,
+        code: grpc.StatusCode, says: str) -> None:
+    """A stopping target refuses new requests with an error delta marked retryable: the
+    client gets UNAVAILABLE (try again later), not INTERNAL, which a target's failure of
+    the request itself still gets; the gateway stays SERVING either way."""
+    target, _ = fake
+    target.refusal = target_pb2.TokenDelta(
+        finish_reason=common_pb2.FINISH_REASON_ERROR, error="stopping, or broken",
+        retryable=retryable)
+    with pytest.raises(grpc.RpcError) as info:
+        _stub(gateway).Generate(_request(3), timeout=10)
+    assert info.value.code() == code
+    assert says in info.value.details() and "stopping, or broken" in info.value.details()
+    assert _health(gateway) == health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.mark.parametrize("cut", ["timeout", "second signal"])

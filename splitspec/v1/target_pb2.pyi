@@ -87,20 +87,22 @@ class ServeRequest(_message.Message):
     def __init__(self, admit: _Optional[_Union[Admit, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., policy: _Optional[_Union[SpecPolicy, _Mapping]] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "error", "spec", "queue_s")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "error", "spec", "queue_s", "retryable")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    RETRYABLE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
     error: str
     spec: _common_pb2.SpecStats
     queue_s: float
-    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., queue_s: _Optional[float] = ...) -> None: ...
+    retryable: bool
+    def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., queue_s: _Optional[float] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class StepStats(_message.Message):
     __slots__ = ("step", "batch_size", "prefill_tokens", "speculated", "drafted_tokens", "accepted_tokens", "draft_s", "forward_s", "total_s", "waiting", "draft_compute_s", "period_s", "committed_tokens", "graphed", "tree_budget", "first_child_accepted")
