@@ -101,8 +101,8 @@ class RequestRun:
     The iteration ends without a final chunk only when the request was
     cancelled. Raises ServiceError(UNAVAILABLE) when the target stream is lost,
     the run was aborted or a stopping target refused the request, and
-    ServiceError(INTERNAL) when the target fails the request. ``on_end`` is called (once or more) when the run has ended or the
-    client went away.
+    ServiceError(INTERNAL) when the target fails the request. ``on_end`` is
+    called (once or more) when the run has ended or the client went away.
 
     The request's span (GenAI conventions) lives from the first iteration to the
     last; its traceparent travels to the target in the Admit.

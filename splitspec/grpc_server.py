@@ -35,9 +35,8 @@ CHANNEL_OPTIONS = [
 
 # wait_for_serving logs its progress this often (a peer may take minutes to load).
 WAIT_REPORT_S = 10.0
-
-
 STOP_GRACE_S = 2.0  # a stopping server's calls get this long to end before they are cancelled
+
 
 class ServiceError(Exception):
     """An error to return to the caller as a gRPC status."""
