@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from safetensors import safe_open
 
+from splitspec.kernels import top_logprobs_torch
 from splitspec.model.config import Eagle3Config, LlamaConfig, is_eagle3, read_hf_config
 from splitspec.model.eagle3 import Eagle3Head
 from splitspec.model.layers import AttentionContext
@@ -147,7 +148,7 @@ class DraftModel(ABC):
     def top_logprobs(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k likeliest draft-vocabulary tokens of each state row: log-probabilities
         [T, k] (float32, descending) and ids [T, k]."""
-        return torch.log_softmax(self.logits(states), dim=-1).topk(k, dim=-1)
+        return top_logprobs_torch(self.logits(states), k)
 
 
 class StandaloneDraft(DraftModel):

@@ -28,15 +28,12 @@ import torch
 import triton
 import triton.language as tl
 
+from splitspec.kernels import top_logprobs_torch  # the reference (also the CPU path)
+
 BLOCK = 2048  # columns of a row a program of the first kernel reads (a power of two)
 WARPS = 4     # each kernel's warps
 MAX_K = 32    # the most tokens a row the kernels return; more go to torch
 ROUTED = True  # top_logprobs through the kernels (False: torch's, as bench_step_costs --torch-top-k)
-
-
-def top_logprobs_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The reference: (log-probabilities [R, k] float32, descending; ids [R, k] int64)."""
-    return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
 
 
 @triton.jit

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from splitspec.kernels import top_logprobs_torch
 from splitspec.model.config import Eagle3Config
 from splitspec.model.layers import (
     AttentionContext,
@@ -81,7 +82,7 @@ class Eagle3Head(nn.Module):
         output as it is, once ``ROUTED``)."""
         logits = self._lm_head(g)
         if self.kernels is None:
-            return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+            return top_logprobs_torch(logits, k)
         return self.kernels.top_logprobs(logits, k)
 
     def _lm_head(self, g: torch.Tensor) -> torch.Tensor:
