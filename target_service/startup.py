@@ -410,6 +410,8 @@ def run_rank(rank: int, conn: Connection | None, cfg: TargetConfig, where: Place
     """Ranks 1..N-1 (a process of their own): init steps, then rank 0's calls until it stops."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches rank 0, which stops us
+    if where.torchrun:  # torchrun passes its SIGTERM on to every rank: rank 0 drains its
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # requests, then stops us
     logging.basicConfig(level=cfg.log_level,
                         format=f"%(asctime)s target[rank {rank}] %(levelname)s %(message)s")
     telemetry.setup("target")

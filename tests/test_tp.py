@@ -28,6 +28,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -472,6 +473,26 @@ def test_runs_under_torchrun(tmp_path):
         prompt = load_tokenizer(BUILTIN_TARGET).encode(TEXTS[0])
         (tokens,) = generate_on_target(address, [prompt], common.SPECULATION_MODE_OFF)
         assert len(tokens) == NEW_TOKENS
+        # SIGTERM with a generation in flight: torchrun passes it to both ranks; rank 1 leaves
+        # it to rank 0, which drains (the generation gets every token), then stops rank 1
+        outcome: list[object] = []
+
+        def long_generation() -> None:
+            try:
+                outcome.append(bench_tp.serve(address, [prompt], 300,
+                                              common.SPECULATION_MODE_OFF)[0][0])
+            except (grpc.RpcError, RuntimeError) as exc:  # the stream cut: the test fails below
+                outcome.append(exc)
+
+        generating = threading.Thread(target=long_generation)
+        generating.start()
+        time.sleep(0.5)
+        proc.terminate()
+        generating.join(60)
+        assert len(outcome) == 1 and isinstance(outcome[0], list), outcome
+        assert len(outcome[0]) == 300
+        proc.wait(30)
+        assert "the requests in flight finished" in (tmp_path / "torchrun.log").read_text()
     finally:
         proc.terminate()
         proc.wait(30)
