@@ -5,7 +5,9 @@ from a queue); one reader thread per stream dispatches each TokenDelta to the
 sink its request registered, never blocking (sinks only enqueue). When the
 stream breaks, every in-flight sink gets :class:`StreamLost`, the listener
 hears ``target_down`` and a reconnect thread waits for the target, reopens
-Serve, resends the policy and calls ``target_up``.
+Serve, resends the policy and calls ``target_up``. A target that says it is
+stopping (it drains) also brings ``target_down``: new requests get UNAVAILABLE
+here, those in flight go on, and the reconnect after its stream ends clears it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ log = logging.getLogger(__name__)
 RPC_TIMEOUT_S = 30.0
 RECONNECT_WAIT_S = 10.0
 RECONNECT_PAUSE_S = 1.0
+TARGET_STOPPING = ("the target is stopping (it drains the requests in flight); the gateway "
+                   "reconnects once it is back: try again then")
 
 
 class TargetIncompatible(RuntimeError):
@@ -159,6 +163,7 @@ class TargetClient:
         self._policy = policy
         self._peer = peer
         self._down_reason = ""
+        self._is_target_stopping = False  # the target said it drains: no new requests to it
         self.spec_totals = SpecTotals()
         self.last_step = target_pb2.StepStats()
         with self._lock:
@@ -187,6 +192,8 @@ class TargetClient:
                 raise ServiceError(grpc.StatusCode.UNAVAILABLE,
                                    f"the target stream is down ({self._down_reason}); "
                                    f"the gateway is reconnecting")
+            if self._is_target_stopping:
+                raise ServiceError(grpc.StatusCode.UNAVAILABLE, TARGET_STOPPING)
             if admit.request_id in self._inflight:
                 raise ValueError(f"request id {admit.request_id} is already in flight")
             self._inflight[admit.request_id] = sink
@@ -233,6 +240,13 @@ class TargetClient:
             sink(StreamLost(message))
 
     def _on_event(self, event: target_pb2.ServeEvent) -> None:
+        if event.target_stopping:
+            with self._lock:
+                self._is_target_stopping = True
+                in_flight = len(self._inflight)
+            log.warning("the target at %s is stopping: new requests get UNAVAILABLE until it is "
+                        "back; the %d in flight go on", self._peer.address, in_flight)
+            self._listener.target_down()
         for delta in event.deltas:
             with self._lock:
                 is_final = delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
@@ -284,6 +298,7 @@ class TargetClient:
             old_channel = self._peer.channel
             _warn_if_limits_changed(self._peer.info, peer.info)
             self._peer = peer
+            self._is_target_stopping = False
             self._stream = self._open(peer)
             self._stream.start_reading()
         old_channel.close()

@@ -53,6 +53,7 @@ log = logging.getLogger(__name__)
 
 NO_SPECULATION = common_pb2.DraftShape()
 STOPPING = "the target is stopping and admits no new requests (a later try may succeed)"
+STOPPING_EVENT = target_pb2.ServeEvent(target_stopping=True)
 
 _TRACER = telemetry.tracer("splitspec.target")
 _METER = telemetry.meter("splitspec.target")
@@ -197,6 +198,8 @@ class Engine:
             stream = self._streams[stream_id] = _Stream(queue.Queue())
             if self.failure:  # the engine has stopped: nobody would ever answer this stream
                 stream.outbox.put(None)
+            elif self._draining:
+                stream.outbox.put(STOPPING_EVENT)
             return stream_id, stream.outbox
 
     def abort(self, message: str) -> None:
@@ -209,10 +212,15 @@ class Engine:
         self._end_streams()
 
     def drain(self) -> None:
-        """Thread-safe: the target is stopping. From now on every new request is refused at
-        once (an error delta marked retryable, which the gateway answers with UNAVAILABLE);
-        the requests admitted before go on to their end."""
-        self._draining = True
+        """Thread-safe: the target is stopping. Every stream is told so (a ServeEvent with
+        ``target_stopping``: the gateway stops sending requests and turns NOT_SERVING), and
+        from now on every new request is refused at once (an error delta marked retryable,
+        which the gateway answers with UNAVAILABLE); the requests admitted before go on to
+        their end."""
+        with self._lock:
+            self._draining = True
+            for stream in list(self._streams.values()):  # (the engine thread may close one)
+                stream.outbox.put(STOPPING_EVENT)
 
     @property
     def num_in_flight(self) -> int:
@@ -402,7 +410,7 @@ class Engine:
         opened later ends at once (open_stream reads ``failure`` under the same lock, so no
         stream is missed)."""
         with self._lock:
-            for stream in self._streams.values():
+            for stream in list(self._streams.values()):  # (the engine thread may close one)
                 stream.outbox.put(None)
 
     # ---- one step ---------------------------------------------------------------------

@@ -45,6 +45,7 @@ class FakeTarget(target_pb2_grpc.TargetServicer):
     cancels: list[int] = field(default_factory=list)
     policies: list[target_pb2.SpecPolicy] = field(default_factory=list)
     _break: threading.Event = field(default_factory=threading.Event)
+    _draining: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     num_streams: int = 0
     refusal: target_pb2.TokenDelta | None = None  # set: every admit is answered with this
@@ -64,6 +65,14 @@ class FakeTarget(target_pb2_grpc.TargetServicer):
         report = InitReport(service="target", steps=[StepRecord("load_model", StepState.OK)])
         return report.to_pb()
 
+    def drain(self, draining: bool = True) -> None:
+        """As a target's SIGTERM (or, False, as the target restarted): every stream is told
+        that the target stops, and new admits are refused, marked retryable."""
+        self.refusal = target_pb2.TokenDelta(
+            finish_reason=common_pb2.FINISH_REASON_ERROR, error="the target is stopping",
+            retryable=True) if draining else None
+        (self._draining.set if draining else self._draining.clear)()
+
     def break_streams(self) -> None:
         """Abort every open Serve stream with UNAVAILABLE."""
         self._break.set()
@@ -76,7 +85,11 @@ class FakeTarget(target_pb2_grpc.TargetServicer):
         threading.Thread(target=_pump, args=(request_iterator, inbox), daemon=True).start()
         sequences: dict[int, _Sequence] = {}
         step = 0
+        told = False  # this stream heard that the target stops
         while context.is_active():
+            if self._draining.is_set() and not told:
+                told = True
+                yield target_pb2.ServeEvent(target_stopping=True)
             if self._break.is_set():
                 context.abort(grpc.StatusCode.UNAVAILABLE, "fake target outage")
             refused = self._take(inbox, sequences)

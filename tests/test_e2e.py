@@ -293,9 +293,9 @@ def test_seeded_sampling_reproduces_with_and_without_speculation(eagle_stack):
 
 def test_sigterm_drains_the_target_the_stream_in_flight_finishes_new_requests_unavailable(logs):
     """The target alone restarted (docker compose restart target, a rollout): SIGTERM drains
-    it. Its health turns NOT_SERVING, a request sent then gets UNAVAILABLE naming the stop (a
-    client may try again), the stream in flight gets every token, and the target exits 0
-    once that stream has ended. Before, the stream was cut at once with UNAVAILABLE ("lost
+    it. Its health and the gateway's turn NOT_SERVING, a request sent then gets UNAVAILABLE
+    naming the stop (a client may try again), the stream in flight gets every token, and the
+    target exits 0 once that stream has ended. Before, the stream was cut at once with UNAVAILABLE ("lost
     the target stream")."""
     stack = start_stack(logs, [], gateway_args=TREE)
     _, target, gateway = stack
@@ -308,8 +308,9 @@ def test_sigterm_drains_the_target_the_stream_in_flight_finishes_new_requests_un
         tokens = list(next(call).token_ids)
         target.proc.terminate()
         deadline = time.monotonic() + 10
-        while target.health() == health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() < deadline, "the target ignored SIGTERM"
+        for service in (target, gateway):  # the gateway hears it from the target's stream
+            while service.health() == health_pb2.HealthCheckResponse.SERVING:
+                assert time.monotonic() < deadline, f"{service.module} still SERVING"
         with pytest.raises(grpc.RpcError) as refused:
             generate(stub, PROMPTS[1], OFF, max_new=4)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()

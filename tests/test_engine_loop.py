@@ -94,9 +94,10 @@ class SlowRunner(NullRunner):
 
 
 def test_a_draining_engine_refuses_new_requests_as_retryable_and_finishes_those_in_flight():
-    """Engine.drain (the target's SIGTERM): a request admitted before runs to its last token;
-    one that arrives after is refused at once, marked retryable, with no token; then the
-    engine is idle (what the target's main waits for before it stops)."""
+    """Engine.drain (the target's SIGTERM): every stream hears that the target stops (one
+    opened later too); a request admitted before runs to its last token; one that arrives
+    after is refused at once, marked retryable, with no token; then the engine is idle (what
+    the target's main waits for before it stops)."""
     with running_engine(SlowRunner(), PagePool(8)) as engine:
         stream, outbox = engine.open_stream()
 
@@ -114,11 +115,16 @@ def test_a_draining_engine_refuses_new_requests_as_retryable_and_finishes_those_
         admit(2)
         tokens: dict[int, list[int]] = {1: [], 2: []}
         last: dict[int, target_pb2.TokenDelta] = {}
+        told = 0  # events saying the target stops
         while len(last) < 2:
-            for delta in outbox.get(timeout=5).deltas:
+            event = outbox.get(timeout=5)
+            told += event.target_stopping
+            for delta in event.deltas:
                 tokens[delta.request_id] += delta.token_ids
                 if delta.finish_reason:
                     last[delta.request_id] = delta
+        assert told == 1
+        assert engine.open_stream()[1].get(timeout=5).target_stopping  # a stream opened later
         assert last[1].finish_reason == common_pb2.FINISH_REASON_LENGTH and len(tokens[1]) == 10
         assert not last[1].retryable and not last[1].error
         assert last[2].finish_reason == common_pb2.FINISH_REASON_ERROR and last[2].retryable

@@ -299,6 +299,33 @@ def test_a_request_the_target_refuses_while_stopping_is_unavailable_other_failur
     assert _health(gateway) == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_a_draining_target_turns_the_gateway_not_serving_until_it_is_back(
+        gateway: RunningGateway, fake: tuple[FakeTarget, int]) -> None:
+    """A target that says it stops (its SIGTERM drain): the gateway turns NOT_SERVING (a load
+    balancer stops sending to it), answers new requests UNAVAILABLE itself without sending
+    them, lets the request in flight finish, and is SERVING again once it has reconnected
+    to the target come back."""
+    target, _ = fake
+    target.step_s = 0.02  # 40 tokens, 2 a step: about 0.4 s
+    stub = _stub(gateway)
+    call = stub.GenerateStream(_request(40, include_token_ids=True))
+    first = next(call)
+    target.drain()
+    _wait_until(lambda: _health(gateway) == health_pb2.HealthCheckResponse.NOT_SERVING)
+    sent = len(target.admits)
+    with pytest.raises(grpc.RpcError) as info:
+        _stub(gateway).Generate(_request(3), timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "the target is stopping" in info.value.details() and len(target.admits) == sent
+    rest = list(call)
+    assert rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 40
+    target.drain(False)
+    target.break_streams()  # the old target's stream ends; the gateway reconnects
+    _wait_until(lambda: _health(gateway) == health_pb2.HealthCheckResponse.SERVING, 10)
+    assert stub.Generate(_request(3), timeout=10).finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
 @pytest.mark.parametrize("cut", ["timeout", "second signal"])
 def test_drain_ends_what_is_left_with_unavailable_saying_why(
         cut: str, fake: tuple[FakeTarget, int]) -> None:

@@ -141,9 +141,11 @@ class StepStats(_message.Message):
     def __init__(self, step: _Optional[int] = ..., batch_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., speculated: _Optional[bool] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., total_s: _Optional[float] = ..., waiting: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., period_s: _Optional[float] = ..., committed_tokens: _Optional[int] = ..., graphed: _Optional[bool] = ..., tree_budget: _Optional[int] = ..., first_child_accepted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ServeEvent(_message.Message):
-    __slots__ = ("deltas", "stats")
+    __slots__ = ("deltas", "stats", "target_stopping")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_STOPPING_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[TokenDelta]
     stats: StepStats
-    def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
+    target_stopping: bool
+    def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ..., target_stopping: _Optional[bool] = ...) -> None: ...
