@@ -34,6 +34,7 @@ from pathlib import Path
 from bench_speculation import free_port
 
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
+from splitspec.compile_watch import WHILE_SERVING
 from splitspec.grpc_server import wait_for_serving
 from splitspec.replay import serve
 from splitspec.tokenizer import TOKENIZER_FILE, load_tokenizer
@@ -145,6 +146,18 @@ def random_bench_target(folder: Path) -> Path:
     return folder
 
 
+def compiled_while_serving(logs: Path) -> dict[str, list[str]]:
+    """Per service log in ``logs`` that has any, splitspec/compile_watch.py's warnings: the
+    Triton kernel variants compiled after SERVING, which start-up did not meet."""
+    found = {}
+    for path in sorted(logs.glob("*.log")):
+        lines = [line[line.index(WHILE_SERVING):] for line in path.read_text().splitlines()
+                 if WHILE_SERVING in line]
+        if lines:
+            found[path.name] = lines
+    return found
+
+
 def measure_agreement(sizes: list[int], common: list[str], new_tokens: int, logs: Path,
                       result: dict) -> None:
     """Greedy text of the built-in pair at each TP size, ON and OFF, against TP=1 OFF; each
@@ -229,6 +242,10 @@ def main() -> int:
         measure_agreement(sizes, common, args.new_tokens, logs, result)
     if not args.skip_timing:
         measure_steps(sizes, common, args, logs, result)
+    result["compiled_while_serving"] = compiled_while_serving(logs)
+    for name, lines in result["compiled_while_serving"].items():
+        print(f"{name}: {len(lines)} Triton variant(s) compiled while serving; the first: "
+              f"{lines[0]}", flush=True)
     if args.out_json:
         args.out_json.parent.mkdir(parents=True, exist_ok=True)
         args.out_json.write_text(json.dumps(result, indent=2))

@@ -21,6 +21,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+WHILE_SERVING = "Triton compiled a kernel variant while serving"  # each warning's start
+
 
 class _Watch:
     def __init__(self) -> None:
@@ -103,6 +105,6 @@ def _on_compile(**hook_args: Any) -> Any:
         variant = describe(hook_args)
         with _WATCH.lock:
             _WATCH.compiled.append(variant)
-        log.warning("Triton compiled a kernel variant while serving (the call that needed it "
-                    "waited; start-up's warmup and graph capture did not meet it): %s", variant)
+        log.warning("%s (the call that needed it waited; start-up's warmup and graph capture "
+                    "did not meet it): %s", WHILE_SERVING, variant)
     return result

@@ -4,12 +4,17 @@ listed (here the hook is called as Triton calls it; on a GPU, by a real compile)
 from __future__ import annotations
 
 import logging
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from splitspec import compile_watch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import bench_tp  # bench/ is a script folder, not a package
 
 triton = pytest.importorskip("triton")
 
@@ -71,6 +76,24 @@ def test_variants_compiled_after_serving_are_logged_and_listed(hooks, caplog):
     assert "while serving" in record.getMessage() and "BLOCK_M: constexpr 32" in record.getMessage()
     assert seen == ["_norm_kernel[num_warps=4](x: *bf16, N: constexpr 4096)",
                     "_rows_kernel[num_warps=4](BLOCK_M: constexpr 32)"]  # still called
+
+
+def test_bench_tp_lists_each_service_logs_compiles_while_serving(hooks, tmp_path, caplog):
+    """bench/bench_tp.py reads the services' logs for the watch's warnings (the GPU test of
+    the served stack expects none): the warning as the watch writes it, per log."""
+    compile_watch._WATCH.compiled = []
+    assert compile_watch.watch()
+    compile_watch.serving()
+    with caplog.at_level(logging.WARNING, logger="splitspec.compile_watch"):
+        compiled(hooks, "_rows_kernel[num_warps=4](M: i32, K=96)")
+    (tmp_path / "draft.log").write_text("2026-12-02 06:17:56 draft INFO draft SERVING\n")
+    (tmp_path / "target-tp1.log").write_text(
+        f"2026-12-02 06:17:58,334 target WARNING {caplog.records[0].getMessage()}\nnext\n")
+    (tmp_path / "notes.txt").write_text(compile_watch.WHILE_SERVING)  # not a service log
+    assert bench_tp.compiled_while_serving(tmp_path) == {
+        "target-tp1.log": [caplog.records[0].getMessage()]}
+    assert caplog.records[0].getMessage().startswith(compile_watch.WHILE_SERVING)
+    assert caplog.records[0].getMessage().endswith("): _rows_kernel[num_warps=4](M: i32, K=96)")
 
 
 @pytest.mark.gpu

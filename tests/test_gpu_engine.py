@@ -331,13 +331,17 @@ def test_speculation_agrees_with_plain_decoding_in_bf16(tmp_path):
     """bench_tp's agreement run at TP=1 on the GPU stack (flashinfer, graphs): greedy ON vs
     OFF in bf16. Verify and decode run different kernels, so a near-tie may flip and the
     text diverge from there (the share of identical tokens is printed): every divergence
-    must start where the float32 model finds the two tokens within bf16's error."""
+    must start where the float32 model finds the two tokens within bf16's error. And no
+    service compiled a Triton kernel variant after SERVING (splitspec/compile_watch.py)."""
     out = tmp_path / "agree.json"
     done = serve(tmp_path, ["bench/bench_tp.py", "--tp", "1", "--device", "cuda", "--dtype",
                             "bfloat16", "--skip-timing", "--out-json", str(out)])
     assert done.returncode == 0, done.stderr[-3000:]
-    runs = json.loads(out.read_text())["agreement"]
+    result = json.loads(out.read_text())
+    runs = result["agreement"]
     print(f"ON vs OFF identical greedy tokens (bf16): {runs['tp1 ON']['identical_tokens']:.3f}")
+    # start-up met every Triton variant the requests needed: none compiled while serving
+    assert result["compiled_while_serving"] == {}, result["compiled_while_serving"]
     assert runs["tp1 OFF"]["identical_tokens"] == 1.0
     assert runs["tp1 ON"]["max_margin"] < NEAR_TIE, runs["tp1 ON"]["divergences"]
 
