@@ -79,7 +79,7 @@ class Eagle3Head(nn.Module):
         """The k likeliest draft tokens of each row of g [T, H]: log-probabilities [T, k]
         (float32, descending) and draft ids [T, k]. With the kernels on, through
         splitspec.kernels.top_logprobs (its two Triton kernels, reading the projection's
-        output as it is, once ``ROUTED``)."""
+        output as it is, while ``ROUTED`` is set, as it is by default)."""
         logits = self._lm_head(g)
         if self.kernels is None:
             return top_logprobs_torch(logits, k)
