@@ -25,6 +25,7 @@ from draft_service.drafter import (
     Drafter,
     DrafterLimits,
     SeqInput,
+    SeqResult,
     TreeShape,
     encode_features,
     sampled_topology,
@@ -142,7 +143,14 @@ def warmup_inputs(model: DraftModel | None, seq_id: int, start: int, tokens: lis
 
 def warmup(drafter: BaseDrafter) -> Detailed:
     """Catch a fake sequence up in two exchanges, draft a tree and a chain (and a sampled tree
-    when sampled trees are on), check them, release."""
+    when sampled trees are on), check them; prefill a second sequence from a two-token prompt
+    (one entry of an EAGLE-3 head); release both.
+
+    The second sequence puts one row through every projection on the eager path, as a
+    short prompt or a one-entry catch-up that no graph takes (a shape not captured) does
+    while serving. Only a catch-up runs the head's ``fc``: without it, the GEMV kernel's
+    one-row variant for ``fc`` was first compiled in a request (docs/benchmarks.md,
+    twentieth part)."""
     model = drafter.model if isinstance(drafter, Drafter) else None
     started = time.perf_counter()
     tokens = [(7 * i + 3) % drafter.vocab_size for i in range(WARMUP_TOKENS)]
@@ -150,6 +158,13 @@ def warmup(drafter: BaseDrafter) -> Detailed:
     half = WARMUP_TOKENS // 2
     session = drafter.open_session()
     found = []
+
+    def draft_one(item: SeqInput) -> SeqResult:
+        (result,) = drafter.draft(session, [item])
+        if result.error:
+            raise RuntimeError(f"warmup draft failed: {result.error}")
+        return result
+
     try:
         exchanges = [(0, tokens[:half], TreeShape(0, 0, 0), None),
                      (half, tokens[half:], WARMUP_TREE, None),
@@ -157,10 +172,7 @@ def warmup(drafter: BaseDrafter) -> Detailed:
         if drafter.limits.sampled_trees:
             exchanges.append((WARMUP_TOKENS, [], WARMUP_TREE, WARMUP_SAMPLING))
         for start, new, shape, sampling in exchanges:
-            item = warmup_inputs(model, 1, start, new, shape, generator, sampling)
-            (result,) = drafter.draft(session, [item])
-            if result.error:
-                raise RuntimeError(f"warmup draft failed: {result.error}")
+            result = draft_one(warmup_inputs(model, 1, start, new, shape, generator, sampling))
             if shape.num_draft_tokens:
                 want = drafter.capped(shape).num_draft_tokens
                 problem = tree_error(result.tree, drafter.vocab_size, want)
@@ -171,7 +183,8 @@ def warmup(drafter: BaseDrafter) -> Detailed:
                 if problem or result.tree.num_nodes != want:
                     raise RuntimeError(f"warmup drafted a bad tree ({problem or 'size'}): {result.tree}")
                 found.append(result.tree.num_nodes)
-        drafter.draft(session, [], release_ids=[1])
+        draft_one(warmup_inputs(model, 2, 0, tokens[:2], TreeShape(0, 0, 0), generator))
+        drafter.draft(session, [], release_ids=[1, 2])
     finally:
         drafter.close_session(session)
     if drafter.num_held:

@@ -31,6 +31,7 @@ from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import InitReport
 from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.config import read_hf_config
+from splitspec.model.eagle3 import Eagle3Head
 from splitspec.sampling import SamplingParams, proposals
 from splitspec.tree import Tree, depths, first_child_run, tree_error
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -601,6 +602,24 @@ def test_tree_scratch_out_of_pages_is_a_sequence_error():
 def test_warmup_passes_and_releases(drafter):
     assert "tree of 8 nodes" in warmup(drafter).detail
     assert drafter.num_held == 0
+
+
+def test_warmup_puts_one_row_and_a_few_through_the_heads_fc(eagle, monkeypatch):
+    """The rows fc sees in warmup: a few (a prompt) and one (a two-token prompt), each a
+    kernel variant on the GPU (gemv for one row, few_rows for 2 to 16) that would otherwise
+    first compile in a request: a one-entry catch-up outside the graphs met fc's one-row
+    variant only while serving (docs/benchmarks.md, twentieth part)."""
+    rows = []
+    fuse = Eagle3Head.fuse
+
+    def counted(head, features):
+        rows.append(features.shape[0])
+        return fuse(head, features)
+
+    monkeypatch.setattr(Eagle3Head, "fuse", counted)
+    warmup(eagle)
+    assert 1 in rows and any(2 <= n <= 16 for n in rows), rows
+    assert eagle.num_held == 0
 
 
 # ---- servicer ------------------------------------------------------------------------------

@@ -480,6 +480,65 @@ def test_tree_search_graphs_match_eager_search():
             table.release(pool)
 
 
+def _draft_variants_met_while_serving(out: str, device: str = "cuda") -> None:
+    """(Run in a fresh process, whose Triton has met no variant yet.) The draft's start-up
+    steps as the service runs them, then serving()'s exchanges: prompts of 2 and 9 tokens,
+    then catch-ups of 1 to 5 entries with the captured 4x4 tree (graphs) and with shapes
+    start-up did not capture (a chain and a 3-wide tree: eager), for one sequence and for
+    two; writes the drafts' errors and the variants Triton compiled after serving() to out
+    (JSON)."""
+    from draft_service import startup as steps
+    from splitspec import compile_watch
+
+    compile_watch.watch()
+    cfg = DraftConfig(model=BUILTIN_EAGLE3, max_context=256, max_running=8, page_size=PAGE,
+                      device=device, dtype="bfloat16")
+    spec = steps.load_config(cfg).value
+    model = steps.load_model(cfg, spec).value
+    cache, pool = steps.allocate_kv_cache(cfg, model).value
+    backend = steps.init_attention_backend(cfg, model).value
+    search = steps.capture_cuda_graphs(cfg, model, cache, pool, backend).value
+    drafter = steps.built_and_warm(lambda: Drafter(model, cache, pool, backend,
+                                                   steps.drafter_limits(cfg), search)).value
+    compile_watch.serving()
+    session, generator = drafter.open_session(), torch.Generator().manual_seed(4)
+    stream = torch.randint(0, model.vocab_size, (200,), generator=generator).tolist()
+    ends = {1: 2, 2: 9}
+    tree = TreeShape(8, 4, 4)
+    errors = [r.error for r in drafter.draft(session, [
+        warmup_inputs(model, i, 0, stream[:end], tree, generator) for i, end in ends.items()])]
+    for shape in (tree, TreeShape(4, 1, 4), TreeShape(6, 3, 3)):
+        for step in range(1, 6):
+            for ids in ((1,), (1, 2)):
+                items = [warmup_inputs(model, i, ends[i], stream[ends[i]:ends[i] + step], shape,
+                                       generator) for i in ids]
+                errors += [r.error for r in drafter.draft(session, items)]
+                ends.update({i: ends[i] + step for i in ids})
+    drafter.draft(session, [], release_ids=[1, 2])
+    Path(out).write_text(json.dumps([errors, compile_watch.compiled_while_serving()]))
+
+
+def test_the_drafts_start_up_meets_every_variant_serving_uses(tmp_path):
+    """Start-up's graph capture and warmup meet every Triton variant the draft's requests use
+    (in a fresh process, so variants other tests compiled hide nothing): the trained pair's
+    end-to-end run compiled the GEMV kernel's one-row variant for the head's fc while
+    serving, at a one-entry catch-up outside the graphs (docs/benchmarks.md, twentieth
+    part)."""
+    import multiprocessing
+
+    out = tmp_path / "met.json"
+    child = multiprocessing.get_context("spawn").Process(
+        target=_draft_variants_met_while_serving, args=(str(out),))
+    child.start()
+    child.join(540)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
+    errors, compiled = json.loads(out.read_text())
+    assert set(errors) == {""}, errors
+    assert compiled == [], compiled
+
+
 def test_caught_up_graphs_match_the_eager_pass_and_the_two_pass_drafter():
     """The catch-up captured with the search (TreeSearch.run_caught_up): against the same pass
     run eagerly with the same kernels (identical candidates, padded buckets included), and a
