@@ -105,6 +105,16 @@ def test_top_logprobs_kernels_refuse_what_they_do_not_take():
             top_logprobs_kernels(logits, k)
 
 
+def test_top_logprobs_kernels_share_variants_between_widths():
+    """The kernels' k (a constexpr, one compiled variant each): a chain's 1, and the 4-wide
+    tree's for 2 to 4 (the policy's 2- and 3-node budgets cap the default tree to those
+    widths; the draft's warmup meets 1 and 4), then powers of two; kernel_cases'
+    run_top_logprobs checks k = 3, 5 and 6 against a sort."""
+    from splitspec.kernels.top_logprobs import MAX_K, kernel_k
+
+    assert [kernel_k(k) for k in (1, 2, 3, 4, 5, 8, 9, MAX_K)] == [1, 4, 4, 4, 8, 8, 16, MAX_K]
+
+
 @pytest.mark.parametrize("routed", [False, True])
 def test_top_logprobs_routes_to_the_kernels_only_when_routed_and_they_fit(monkeypatch, routed):
     from splitspec.kernels import top_logprobs as module

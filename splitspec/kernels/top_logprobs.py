@@ -108,6 +108,7 @@ def top_logprobs_kernels(logits: torch.Tensor, k: int, block: int = BLOCK,
     rows, width = logits.shape
     chunks = triton.cdiv(width, block)
     device = logits.device
+    asked, k = k, kernel_k(k)
     vals = torch.empty(rows, chunks, k, dtype=torch.float32, device=device)
     ids = torch.empty(rows, chunks, k, dtype=torch.int32, device=device)
     maxes = torch.empty(rows, chunks, dtype=torch.float32, device=device)
@@ -119,4 +120,13 @@ def top_logprobs_kernels(logits: torch.Tensor, k: int, block: int = BLOCK,
     _merge_kernel[(rows,)](vals, ids, maxes, sums, out_lp, out_ids, chunks, K=k,
                            CHUNKS_P=triton.next_power_of_2(chunks),
                            CANDIDATES_P=triton.next_power_of_2(chunks * k), num_warps=num_warps)
-    return out_lp, out_ids
+    return out_lp[:, :asked], out_ids[:, :asked]
+
+
+def kernel_k(k: int) -> int:
+    """The k the kernels find (a constexpr: each value is a variant Triton compiles): 1 for
+    a chain; 4 for 2 to 4, the widths the default 4-wide tree is capped to at 2 and 3 nodes
+    (the speculation policy's small budgets), so that the variants the draft's warmup meets
+    (its chain and 4-wide tree) serve them; the next power of two beyond. The k best are
+    the first k of the kernel_k best."""
+    return 1 if k == 1 else max(4, triton.next_power_of_2(k))
