@@ -13,7 +13,8 @@ log-sum-exp and their candidates into the row's k best. The k best of a row are 
 chunks' k best, so this is exact: the same tokens as a stable descending sort (equal logits
 in index order), and log-probabilities x - logsumexp(x) in float32, summed in another order
 than torch's (so within float rounding of torch's). :func:`top_logprobs_torch` is the
-reference.
+reference. The k the kernels find is a constexpr (one compiled variant each), so they find
+:func:`kernel_k` tokens, shared between widths, and return the first k.
 
 :func:`top_logprobs` (what the EAGLE-3 head's tree search calls with the kernels on) takes
 the kernels while ROUTED is set, as it is since the H200 measured them: 5-8 µs against torch's
