@@ -166,6 +166,40 @@ def breakdown(steps: list[target_pb2.StepStats], speculated: bool) -> dict[str, 
     }
 
 
+def time_split(steps: list[target_pb2.StepStats], wall_s: float) -> dict[str, float]:
+    """Where a run's wall time went, in seconds: the target's steps of prompts alone, its plain
+    decode steps and its speculative ones (each step's own time, start to end); of the
+    speculative ones, those right after a plain decode step (the draft catching up on every
+    token since it last drafted: a probe's first step, which the adaptive policy leaves out
+    of its judgement) and their draft exchange; and the rest, time between steps (the loop
+    waiting for work, e.g. the client's next request, and its own overhead). Counts under
+    ``*_steps``."""
+    ordered = sorted(steps, key=lambda s: s.step)
+    prompts = [s for s in ordered if not s.batch_size]
+    plain = [s for s in ordered if s.batch_size and not s.speculated]
+    speculative = [s for s in ordered if s.speculated]
+    resumed = [s for prev, s in zip(ordered, ordered[1:], strict=False)
+               if s.speculated and prev.batch_size and not prev.speculated]
+    return {
+        "wall_s": wall_s,
+        "prompts_s": sum(s.total_s for s in prompts), "prompts_steps": len(prompts),
+        "plain_s": sum(s.total_s for s in plain), "plain_steps": len(plain),
+        "speculative_s": sum(s.total_s for s in speculative), "speculative_steps": len(speculative),
+        "resumed_s": sum(s.total_s for s in resumed), "resumed_steps": len(resumed),
+        "resumed_draft_s": sum(s.draft_s for s in resumed),
+        "between_steps_s": wall_s - sum(s.total_s for s in ordered),
+    }
+
+
+def describe_split(split: dict[str, float]) -> str:
+    return (f"wall {split['wall_s']:.3f} s = prompts alone {split['prompts_s']:.3f} "
+            f"({split['prompts_steps']}) + plain steps {split['plain_s']:.3f} "
+            f"({split['plain_steps']}) + speculative {split['speculative_s']:.3f} "
+            f"({split['speculative_steps']}; of which right after plain ones "
+            f"{split['resumed_s']:.3f} ({split['resumed_steps']}), their draft "
+            f"{split['resumed_draft_s']:.3f}) + between steps {split['between_steps_s']:.3f}")
+
+
 def run_gateway(address: str, prompts: list[str], max_new: int, mode: int) -> float:
     """End-to-end tokens/s through the gateway, one request at a time."""
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
@@ -351,6 +385,7 @@ def main() -> int:
                          + " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth)
                          if name != "OFF" else ""))
                 print(f"           step: {breakdown(stats.steps, name != 'OFF')}")
+                print(f"           time (last run): {describe_split(time_split(stats.steps, stats.wall_s))}")
         if args.gateway:
             for name, mode in (("OFF", common_pb2.SPECULATION_MODE_OFF),
                                ("ON", common_pb2.SPECULATION_MODE_ON)):
