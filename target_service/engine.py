@@ -703,7 +703,9 @@ class Engine:
                         lo: int, hi: int) -> None:
         seq.num_cached = len(seq.prompt_ids)
         seq.table.num_slots = seq.num_cached
-        if aux is not None:
+        # A request with speculation OFF is never drafted for: it keeps no features (on the
+        # 8B shape 24 KiB a token of GPU memory, and a gather and a copy every step).
+        if aux is not None and seq.speculation != common_pb2.SPECULATION_MODE_OFF:
             seq.features = FeatureHistory(aux.shape[1], aux.dtype, aux.device)
             seq.features.append(aux[lo:hi])
         self._emit_tokens(seq, [token])

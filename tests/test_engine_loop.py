@@ -43,13 +43,13 @@ class NullRunner:
 
 @contextlib.contextmanager
 def running_engine(runner: NullRunner, pool: PagePool, draft: object = None,
-                   shape: common_pb2.DraftShape | None = None, early: bool = False
-                   ) -> Iterator[Engine]:
+                   shape: common_pb2.DraftShape | None = None, early: bool = False,
+                   capture: tuple[int, ...] = ()) -> Iterator[Engine]:
     """An engine over ``runner`` (and ``draft``, speculating with ``shape``) with its loop on
     a thread named engine-loop, stopped after."""
     engine = Engine(runner, Scheduler(pool, 4, 8),
                     EngineLimits(8, 64, 64, 8, shape or common_pb2.DraftShape(), frozenset(),
-                                 early_exchange=early), draft, ())
+                                 early_exchange=early), draft, capture)
     if draft is not None:
         draft.engine = engine
     stop = threading.Event()
@@ -83,6 +83,37 @@ def test_step_stats_say_whether_the_forward_replayed_a_graph(graphed):
         tokens, _ = engine.generate([3, 1, 4], 2, common_pb2.SPECULATION_MODE_OFF)
         assert len(tokens) == 2
         assert engine.last_stats.batch_size == 1 and engine.last_stats.graphed == graphed
+
+
+class FeatureRunner(NullRunner):
+    """Returns captured features of every token (as a target serving an EAGLE-3 draft does)
+    and records, at each forward, whether each running request keeps them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engine: Engine | None = None
+        self.kept: list[tuple[int, bool]] = []  # (speculation mode, holds features)
+
+    def forward(self, batch):
+        self.kept += [(s.speculation, s.features is not None)
+                      for s in self.engine.scheduler.running]
+        logits, _ = super().forward(batch)
+        return logits, torch.zeros(len(batch.ids), 6)
+
+
+def test_only_requests_that_may_speculate_keep_the_targets_features():
+    """The features an EAGLE-3 draft catches up from are kept for AUTO requests (speculation
+    may start at any step), not for OFF ones (it never does): no memory and no per-step copy
+    for those; both generate alike."""
+    runner = FeatureRunner()
+    with running_engine(runner, PagePool(8), capture=(1,)) as engine:
+        runner.engine = engine
+        outputs = [engine.generate([3, 1, 4], 6, mode)[0]
+                   for mode in (common_pb2.SPECULATION_MODE_OFF, common_pb2.SPECULATION_MODE_AUTO)]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6
+    # (a request's features begin with its prompt's, kept after its first forward)
+    assert {held for mode, held in runner.kept if mode == common_pb2.SPECULATION_MODE_OFF} == {False}
+    assert (common_pb2.SPECULATION_MODE_AUTO, True) in runner.kept
 
 
 class SlowRunner(NullRunner):
