@@ -718,17 +718,19 @@ class Engine:
         kept = [0, *acceptance.path]  # tree indices whose K/V stays: root then accepted nodes
         moved = [(src, dst) for dst, src in enumerate(kept) if src != dst]
         features = aux is not None and seq.features is not None
-        if moved or features:
+        if moved:
             # One copy to the device: the moved K/V's source and destination slots, then the
             # kept rows of the step's features.
             index = seq.table.slots([length + src for src, _ in moved]
                                     + [length + dst for _, dst in moved])
             index += [lo + k for k in kept] if features else []
             rows = torch.tensor(index, device=self.device)
-            if moved:
-                self.runner.copy_slots(rows[:len(moved)], rows[len(moved):2 * len(moved)])
+            self.runner.copy_slots(rows[:len(moved)], rows[len(moved):2 * len(moved)])
             if features:
                 seq.features.append(aux[rows[2 * len(moved):].to(aux.device)])
+        elif features:  # nothing moved: the kept rows are the step's first, in place (every
+            # plain step): a slice, without the index's copy to the device and the gather
+            seq.features.append(aux[lo:lo + len(kept)])
         seq.num_cached = length + len(kept)
         seq.table.num_slots = seq.num_cached
         if tree.num_nodes:

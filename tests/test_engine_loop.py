@@ -98,7 +98,31 @@ class FeatureRunner(NullRunner):
         self.kept += [(s.speculation, s.features is not None)
                       for s in self.engine.scheduler.running]
         logits, _ = super().forward(batch)
-        return logits, torch.zeros(len(batch.ids), 6)
+        return logits, torch.stack([batch.positions, batch.ids], 1).float()  # each row: where, what
+
+
+class CheckedFeatures(FeatureRunner):
+    """FeatureRunner whose features name each row's position and token; before each forward
+    it checks that every running request's kept features are its committed tokens', position
+    by position (what a draft catching up reads), and it takes the KV compaction."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checked = self.moves = 0
+        self.wrong: list[tuple[int, list, list]] = []
+
+    def forward(self, batch):
+        for seq in self.engine.scheduler.running:
+            if seq.features is not None:
+                got = seq.features.rows(0, seq.num_cached).tolist()
+                want = [[p, seq.tokens[p]] for p in range(seq.num_cached)]
+                self.checked += 1
+                if got != want:
+                    self.wrong.append((seq.seq_id, got, want))
+        return super().forward(batch)
+
+    def copy_slots(self, src, dst):
+        self.moves += len(src)
 
 
 def test_only_requests_that_may_speculate_keep_the_targets_features():
@@ -363,3 +387,31 @@ def test_a_sequence_cancelled_after_its_early_request_is_released():
     sent_seq_2 = [i for i, (_, r) in enumerate(draft.sent) if any(s.seq_id == 2 for s in r.seqs)]
     released = [i for i, (_, r) in enumerate(draft.sent) if 2 in r.release_ids]
     assert len(sent_seq_2) == 1 and len(released) == 1 and released[0] > sent_seq_2[0]
+
+
+class BranchDraft(ChainDraft):
+    """Proposes, for every sequence, a root child 5 then a root child 7 with children 7 and 5:
+    NullRunner's argmax (7) accepts the second child and its first, nodes 2 and 3, which the
+    KV compaction (and the kept features) move to the places of nodes 1 and 2."""
+
+    def send(self, request: draft_pb2.DraftRequest) -> Sent:
+        sent = super().send(request)
+        self._replies[-1] = draft_pb2.DraftReply(step=request.step, trees=[
+            draft_pb2.DraftTree(seq_id=s.seq_id, tokens=[5, 7, 7, 5], parents=[0, 0, 2, 2])
+            for s in request.seqs])
+        return sent
+
+
+@pytest.mark.parametrize("draft", [None, "branch"])
+def test_the_kept_features_are_the_committed_tokens_position_by_position(draft):
+    """Plain steps (nothing moves: the features are the step's first rows) and a tree whose
+    accepted path moves (the features of the root and the accepted nodes, in path order):
+    before every step each request's features are its committed tokens' ones."""
+    runner = CheckedFeatures()
+    link = BranchDraft() if draft else None
+    shape = common_pb2.DraftShape(num_draft_tokens=4, topk=2, num_steps=2)
+    with running_engine(runner, PagePool(8), link, shape, capture=(1,)) as engine:
+        runner.engine = engine
+        tokens, spec = engine.generate([3, 1, 4], 12, ON if draft else common_pb2.SPECULATION_MODE_AUTO)
+    assert tokens == [7] * 12 and runner.wrong == [] and runner.checked >= 4
+    assert (spec.accepted_tokens, runner.moves) == ((8, 8) if draft else (0, 0))
