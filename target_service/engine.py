@@ -704,7 +704,7 @@ class Engine:
         seq.num_cached = len(seq.prompt_ids)
         seq.table.num_slots = seq.num_cached
         # A request with speculation OFF is never drafted for: it keeps no features (on the
-        # 8B shape 24 KiB a token of GPU memory, and a gather and a copy every step).
+        # 8B shape 24 KiB a token of GPU memory, and a copy every step).
         if aux is not None and seq.speculation != common_pb2.SPECULATION_MODE_OFF:
             seq.features = FeatureHistory(aux.shape[1], aux.dtype, aux.device)
             seq.features.append(aux[lo:hi])
