@@ -522,8 +522,9 @@ def test_the_drafts_start_up_meets_every_variant_serving_uses(tmp_path):
     """Start-up's graph capture and warmup meet every Triton variant the draft's requests use
     (in a fresh process, so variants other tests compiled hide nothing): the trained pair's
     end-to-end run compiled the GEMV kernel's one-row variant for the head's fc while
-    serving, at a one-entry catch-up outside the graphs (docs/benchmarks.md, twentieth
-    part)."""
+    serving, at a one-entry catch-up outside the graphs, and this test then found the top-k
+    kernels' variant for a 3-wide tree, the width the policy's 3-node budget drafts
+    (docs/benchmarks.md, twentieth part)."""
     import multiprocessing
 
     out = tmp_path / "met.json"
