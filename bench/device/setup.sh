@@ -14,6 +14,8 @@ if [ -f .out/fiws.txz ]; then tar -xJf .out/fiws.txz -C .fiws; fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__, 'gpus', torch.cuda.device_count())"
 
-save_kernel_cache() {
-    tar -cJf "$OUT/fiws.txz" --exclude='*.o' --exclude='*.cuda.o' -C .fiws . && ls -la "$OUT/fiws.txz"
+save_kernel_cache() {  # (written aside, then renamed: a call that runs out of time while it
+    # compresses leaves no truncated archive to be carried into the next call)
+    tar -cJf "$OUT/fiws.txz.part" --exclude='*.o' --exclude='*.cuda.o' -C .fiws . \
+        && mv "$OUT/fiws.txz.part" "$OUT/fiws.txz" && ls -la "$OUT/fiws.txz"
 }
