@@ -315,7 +315,10 @@ def main() -> int:
     parser.add_argument("--gateway", default="", help="also time end to end through this gateway")
     parser.add_argument("--shapes", default="tree",
                         help=f"comma-separated draft shapes to run ON with: {', '.join(SHAPES)}; "
-                             "'adaptive' runs the gateway's adaptive policy with the tree shape")
+                             "'adaptive' runs the gateway's adaptive policy with the tree shape; "
+                             "'auto-off' sends speculation-capable (AUTO) requests under a policy "
+                             "that never speculates: what adaptive costs once it settles on off, "
+                             "without its probes")
     parser.add_argument("--prompts", default="fixed", choices=["fixed", "heldout"],
                         help="8 fixed code prompts, or snippets of held-out stdlib files")
     parser.add_argument("--num-prompts", type=int, default=16, help="with --prompts heldout")
@@ -331,8 +334,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.target_flag and not args.start:
         parser.error("--target-flag needs --start")
-    shapes = {name: SHAPES[name] for name in args.shapes.split(",") if name != "adaptive"}
-    with_adaptive = "adaptive" in args.shapes.split(",")
+    names = args.shapes.split(",")
+    shapes = {name: SHAPES[name] for name in names if name not in ("adaptive", "auto-off")}
+    with_adaptive = "adaptive" in names
     procs: list[subprocess.Popen] = []
     targets = {"": args.target}  # label -> address; the first stack's label is ""
     if args.start:
@@ -351,7 +355,10 @@ def main() -> int:
             stubs[label] = target_pb2_grpc.TargetStub(channel)
         prompts = load_prompts(args.prompts, args.models / "target", args.num_prompts,
                                args.prompt_len)
-        modes: dict[str, tuple[int, int, int] | str | None] = {"OFF": None, **shapes}
+        modes: dict[str, tuple[int, int, int] | str | target_pb2.SpecPolicy | None] = {
+            "OFF": None, **shapes}
+        if "auto-off" in names:
+            modes["auto-off"] = target_pb2.SpecPolicy()  # no entries: never speculate
         if with_adaptive:
             modes["adaptive"] = "adaptive"
         rates: dict[tuple[str, str], list[float]] = {(t, m): [] for t in stubs for m in modes}
@@ -384,7 +391,9 @@ def main() -> int:
                       + (f", accepted/verify step {stats.mean_accepted:.2f}, by depth "
                          + " ".join(f"{a:.2f}" for a in stats.acceptance_by_depth)
                          if name != "OFF" else ""))
-                print(f"           step: {breakdown(stats.steps, name != 'OFF')}")
+                for speculated in (True, False):
+                    if part := breakdown(stats.steps, speculated):
+                        print(f"           {'step' if speculated else 'plain step'}: {part}")
                 print(f"           time (last run): {describe_split(time_split(stats.steps, stats.wall_s))}")
         if args.gateway:
             for name, mode in (("OFF", common_pb2.SPECULATION_MODE_OFF),
