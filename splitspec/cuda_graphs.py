@@ -118,7 +118,6 @@ class _Graph:
     trees: torch.Tensor | None   # [b, q, q] static input of a verify graph
     logits: torch.Tensor         # [P + b * q, V] static outputs, in the shared buffer (P:
                                  # MAX_PROMPT_LOGITS with prompts, else 0)
-    aux: torch.Tensor | None     # [tokens + b * q, k * H]
     context: AttentionContext | None = None  # what the graph's attention reads outside the
     # graph's pool (its table, a verify graph's TablePrefix): kept alive as long as the
     # graph, or the allocator hands that memory to other tensors while every replay still
@@ -212,9 +211,9 @@ class StepGraphs:
         return next(b for b in self.buckets if b >= len(seqs)), q_len
 
     def run_plan(self, plan: StepPlan, ids: torch.Tensor, positions: torch.Tensor,
-                 seqs: list[SeqAttention], logit_rows: list[int]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Replay a plan's graph: (logits [len(logit_rows), V], aux [T, k * H] or None).
+                 seqs: list[SeqAttention], logit_rows: list[int]) -> torch.Tensor:
+        """Replay a plan's graph: its logits [len(logit_rows), V] (the captured features, if
+        any, went to the cache's, ``KVCache.write_features``).
         ``ids`` and ``positions`` ([T]) are best on the host: they go to the device in one
         copy with the rest of the inputs."""
         key, count, tokens = plan
@@ -255,10 +254,7 @@ class StepGraphs:
         g.staged.send()
         g.graph.replay()
         first = MAX_PROMPT_LOGITS if key.tokens else 0  # the step rows' first logit row
-        logits = torch.cat((g.logits[:len(wanted)], g.logits[first:first + step_rows]))
-        aux = None if g.aux is None else torch.cat((g.aux[:tokens],
-                                                    g.aux[key.tokens:key.tokens + step_rows]))
-        return logits, aux
+        return torch.cat((g.logits[:len(wanted)], g.logits[first:first + step_rows]))
 
     def _padding(self, count: int, q_len: int) -> list[SeqAttention]:
         """Padding rows on the scratch pages: a verify row's committed part is one slot."""
@@ -313,14 +309,13 @@ class StepGraphs:
         staged.host.copy_(inputs)  # the static parts (the step rows' logit rows) go in every copy
         logits = self.logits_out[:first + step_rows]
 
-        def forward() -> torch.Tensor | None:
-            out = self.model(ids, positions, ctx, capture)
+        def forward() -> None:
+            out = self.model(ids, positions, ctx, capture)  # features to the cache's, if kept
             hidden = out.hidden.index_select(0, logit_rows) if tokens else out.hidden
             logits.copy_(self.model.compute_logits(hidden))
-            return out.aux
 
-        graph, aux = self._record(forward)
-        return _Graph(graph, wrapper, inputs, staged, trees, logits, aux, ctx, table)
+        graph, _ = self._record(forward)
+        return _Graph(graph, wrapper, inputs, staged, trees, logits, ctx, table)
 
     def _decode_table(self, padding: list[SeqAttention], slots: torch.Tensor
                       ) -> DecodeTableMetadata:

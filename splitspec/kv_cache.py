@@ -10,6 +10,12 @@ slots it uses. Logical slot s of a sequence lives at global slot
 fresh logical slots after the committed prefix; after verification the accepted
 path is copied down to contiguous slots (:meth:`KVCache.copy_slots`) and the
 table is truncated.
+
+A target that serves an EAGLE-3 draft also keeps, per slot, the features it
+captured for that slot's token (:meth:`KVCache.hold_features`): written by the
+forward that writes the slot's K/V (in a CUDA graph as in eager steps, with no
+host work per sequence), moved with them by the compaction, read when the draft
+catches up.
 """
 
 from __future__ import annotations
@@ -119,6 +125,20 @@ class KVCache:
             from splitspec.kernels.kv_compact import compact_kv
 
             self._store_kv, self._compact_kv = store_kv, compact_kv
+        self.features: torch.Tensor | None = None  # [num_pages * page_size, width] when held
+
+    def hold_features(self, width: int, dtype: torch.dtype) -> int:
+        """Keep ``width`` captured features per slot from now on (zeros until written);
+        returns their bytes."""
+        self.features = torch.zeros(self.num_pages * self.page_size, width, dtype=dtype,
+                                    device=self.data.device)
+        return self.features.numel() * self.features.element_size()
+
+    def write_features(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store the features ``rows`` ([T, width]) of the tokens at global ``slots`` [T]; nothing
+        when this cache keeps none (a rank other than 0, a target without an EAGLE-3 draft)."""
+        if self.features is not None:
+            self.features.index_copy_(0, slots, rows.to(self.features.dtype))
 
     @staticmethod
     def bytes_needed(num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
@@ -143,15 +163,18 @@ class KVCache:
         pool[pages, 1, offsets] = v.to(pool.dtype)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy every layer's K/V from global slots src to dst (same length).
+        """Copy every layer's K/V, and the features when held, from global slots src to dst
+        (same length).
 
         Reads all sources before writing, so overlapping src/dst are safe. On CUDA one
-        Triton kernel does it (splitspec/kernels/kv_compact.py); elsewhere torch does.
+        Triton kernel does the K/V (splitspec/kernels/kv_compact.py); elsewhere torch does.
         """
         if self._compact_kv is not None:
             self._compact_kv(self.data, src, dst)
         else:
             self.copy_slots_torch(src, dst)
+        if self.features is not None:
+            self.features.index_copy_(0, dst, self.features.index_select(0, src))
 
     def copy_slots_torch(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """:meth:`copy_slots` in plain torch: the reference of the Triton kernel."""

@@ -47,7 +47,7 @@ from splitspec.v1 import common_pb2, draft_pb2, target_pb2
 from target_service.draft_client import DraftLink, ExchangeResult, Sent
 from target_service.runner import ForwardBatch, ModelRunner
 from target_service.scheduler import Scheduler
-from target_service.sequence import FeatureHistory, Sequence, SpecCounters
+from target_service.sequence import Sequence, SpecCounters
 
 log = logging.getLogger(__name__)
 
@@ -96,8 +96,6 @@ class _Call(NamedTuple):
 class _ForwardResult(NamedTuple):
     prefill_tokens: list[int]     # the token after each prompt, prefill order
     accepted: list[Acceptance]    # each decoding sequence's accepted path and tokens, decode order
-    aux: torch.Tensor | None   # [T, k * H] captured features of every new token
-    starts: list[int]          # query range of batch entry i: [starts[i], starts[i + 1])
 
 
 class _Early(NamedTuple):
@@ -283,7 +281,7 @@ class Engine:
             table.reserve(self.scheduler.pool, n)
             try:
                 table.num_slots = n
-                logits, _ = self.runner.forward(ForwardBatch(
+                logits = self.runner.forward(ForwardBatch(
                     torch.tensor(prompt_ids), torch.arange(n), [SeqAttention(table, n, n)],
                     [n - 1]))
             finally:
@@ -536,7 +534,25 @@ class Engine:
             step=step, release_ids=self._pending_releases,
             seqs=[self._draft_input(s, shapes[s.seq_id]) for s in seqs],
             traceparent=self._step_traceparent)
+        if self.capture:
+            self._attach_features(seqs, request.seqs)
         return request, {s.seq_id: (len(s.tokens), shapes[s.seq_id]) for s in seqs}
+
+    def _attach_features(self, seqs: list[Sequence], items: list[draft_pb2.SeqDraftInput]) -> None:
+        """Each item's captured features, from its first new token's predecessor (the draft
+        pairs a token with the features of the one before) to the last cached token: read from
+        the cache's features in one gather and one copy to the host for the whole request."""
+        spans = [range(max(item.start - 1, 0), seq.num_cached) for seq, item in zip(seqs, items,
+                                                                                    strict=True)]
+        rows = self.runner.read_features([slot for seq, span in zip(seqs, spans, strict=True)
+                                          for slot in seq.table.slots(span)])
+        raw = rows.view(torch.uint8).numpy()
+        dtype = str(rows.dtype).removeprefix("torch.")
+        at = 0
+        for item, span in zip(items, spans, strict=True):
+            item.hidden_states = raw[at:at + len(span)].tobytes()
+            item.hidden_dim, item.dtype = rows.shape[1], dtype
+            at += len(span)
 
     def _send_early(self) -> _Early | None:
         """Send the next step's draft request now, at the end of this step, so that its way to
@@ -591,11 +607,6 @@ class Engine:
             item.sampling.CopyFrom(seq.sampling.to_pb())
         if telemetry.enabled() and seq.span is not None:
             item.traceparent = telemetry.traceparent(seq.span)
-        if seq.features is not None:
-            rows = seq.features.rows(max(start - 1, 0), seq.num_cached)
-            item.hidden_states = rows.contiguous().cpu().view(torch.uint8).numpy().tobytes()
-            item.hidden_dim = rows.shape[1]
-            item.dtype = str(rows.dtype).removeprefix("torch.")
         return item
 
     def _accept_tree(self, seq: Sequence, pb: draft_pb2.DraftTree, budget: int,
@@ -622,8 +633,8 @@ class Engine:
                  trees: dict[int, Tree]) -> _ForwardResult:
         """One forward over every new token: prompts (causal) and roots plus trees (tree mask).
 
-        Returns the token after every prompt, what every decoding sequence
-        accepts, and the captured features.
+        Returns the token after every prompt and what every decoding sequence
+        accepts (the captured features, if any, are in the cache's).
         """
         ids: list[int] = []   # host lists, one tensor each at the end (a tensor per sequence
         pos: list[int] = []   # cost more than the rest of a large batch's bookkeeping)
@@ -646,11 +657,11 @@ class Engine:
         logit_rows = [starts[i + 1] - 1 for i in range(len(prefill))]
         for i in range(len(prefill), len(attn)):
             logit_rows.extend(range(starts[i], starts[i + 1]))
-        logits, aux = self.runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), attn,
-                                                       logit_rows, self.capture))
+        logits = self.runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), attn,
+                                                  logit_rows, self.capture))
         with torch.inference_mode():
             prefill_tokens, accepted = self._choose(logits, prefill, decode, trees)
-        return _ForwardResult(prefill_tokens, accepted, aux, starts)
+        return _ForwardResult(prefill_tokens, accepted)
 
     def _choose(self, logits: torch.Tensor, prefill: list[Sequence], decode: list[Sequence],
                 trees: dict[int, Tree]) -> tuple[list[int], list[Acceptance]]:
@@ -686,51 +697,34 @@ class Engine:
                 result: _ForwardResult) -> tuple[int, int, list[int]]:
         """Accept, compact and emit for every sequence; returns the decoding sequences'
         drafted and accepted tokens, and the tokens each committed."""
-        for i, seq in enumerate(prefill):
-            self._commit_prefill(seq, result.prefill_tokens[i], result.aux, result.starts[i],
-                                 result.starts[i + 1])
+        for seq, token in zip(prefill, result.prefill_tokens, strict=True):
+            self._commit_prefill(seq, token)
         drafted = accepted = 0
         committed = []
-        for i, (seq, acceptance) in enumerate(zip(decode, result.accepted, strict=True)):
+        for seq, acceptance in zip(decode, result.accepted, strict=True):
             tree = trees.get(seq.seq_id, EMPTY_TREE)
-            committed.append(self._commit_decode(seq, tree, acceptance, result.aux,
-                                                 result.starts[len(prefill) + i]))
+            committed.append(self._commit_decode(seq, tree, acceptance))
             accepted += len(acceptance.path)
             drafted += tree.num_nodes
         return drafted, accepted, committed
 
-    def _commit_prefill(self, seq: Sequence, token: int, aux: torch.Tensor | None,
-                        lo: int, hi: int) -> None:
+    def _commit_prefill(self, seq: Sequence, token: int) -> None:
         seq.num_cached = len(seq.prompt_ids)
         seq.table.num_slots = seq.num_cached
-        # A request with speculation OFF is never drafted for: it keeps no features (on the
-        # 8B shape 24 KiB a token of GPU memory, and a copy every step).
-        if aux is not None and seq.speculation != common_pb2.SPECULATION_MODE_OFF:
-            seq.features = FeatureHistory(aux.shape[1], aux.dtype, aux.device)
-            seq.features.append(aux[lo:hi])
         self._emit_tokens(seq, [token])
 
-    def _commit_decode(self, seq: Sequence, tree: Tree, acceptance: Acceptance,
-                       aux: torch.Tensor | None, lo: int) -> int:
-        """Compact the KV cache to the accepted path, commit tokens; returns how many were
-        committed (the accepted path and the bonus token, cut at max_new_tokens)."""
+    def _commit_decode(self, seq: Sequence, tree: Tree, acceptance: Acceptance) -> int:
+        """Compact the KV cache (and the features it keeps) to the accepted path, commit
+        tokens; returns how many were committed (the accepted path and the bonus token, cut
+        at max_new_tokens)."""
         length = seq.num_cached
         kept = [0, *acceptance.path]  # tree indices whose K/V stays: root then accepted nodes
         moved = [(src, dst) for dst, src in enumerate(kept) if src != dst]
-        features = aux is not None and seq.features is not None
-        if moved:
-            # One copy to the device: the moved K/V's source and destination slots, then the
-            # kept rows of the step's features.
-            index = seq.table.slots([length + src for src, _ in moved]
-                                    + [length + dst for _, dst in moved])
-            index += [lo + k for k in kept] if features else []
-            rows = torch.tensor(index, device=self.device)
-            self.runner.copy_slots(rows[:len(moved)], rows[len(moved):2 * len(moved)])
-            if features:
-                seq.features.append(aux[rows[2 * len(moved):].to(aux.device)])
-        elif features:  # nothing moved: the kept rows are the step's first, in place (every
-            # plain step): a slice, without the index's copy to the device and the gather
-            seq.features.append(aux[lo:lo + len(kept)])
+        if moved:  # one copy to the device: the moved slots' sources, then destinations
+            rows = torch.tensor(seq.table.slots([length + src for src, _ in moved]
+                                                + [length + dst for _, dst in moved]),
+                                device=self.device)
+            self.runner.copy_slots(rows[:len(moved)], rows[len(moved):])
         seq.num_cached = length + len(kept)
         seq.table.num_slots = seq.num_cached
         if tree.num_nodes:

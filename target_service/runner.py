@@ -1,7 +1,8 @@
 """The target's model calls, on one rank or on every rank of a tensor-parallel group.
 
 The engine (rank 0) does all scheduling and acceptance and calls only
-:meth:`ModelRunner.forward` and :meth:`ModelRunner.copy_slots`. With tensor
+:meth:`ModelRunner.forward` and :meth:`ModelRunner.copy_slots` (and reads the captured
+features with :meth:`ModelRunner.read_features`). With tensor
 parallelism :class:`TPRunner` first broadcasts each call (its CPU inputs, packed
 into int64 words by ``calls.py``, over a gloo control group) to the other ranks,
 which run :func:`serve_calls`: the same call on their shard. The collectives
@@ -37,8 +38,9 @@ class ModelRunner:
         self.graphs: StepGraphs | None = None  # set by the capture_cuda_graphs step
         self.last_graphed = False  # whether the last forward replayed a graph
 
-    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits [len(logit_rows), V] float32, captured features [T, k * H] or None)."""
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits [len(logit_rows), V] float32; the captured features (``batch.capture``) go to
+        the cache's, where it keeps them (rank 0 of a target serving an EAGLE-3 draft)."""
         plan = (self.graphs.plan(batch.attn, batch.logit_rows, batch.capture)
                 if self.graphs is not None else None)
         self.last_graphed = plan is not None
@@ -52,11 +54,20 @@ class ModelRunner:
             out = self.model(batch.ids.to(self.device), batch.positions.to(self.device), ctx,
                              batch.capture)
             rows = torch.tensor(batch.logit_rows, device=self.device)
-            return self.model.compute_logits(out.hidden[rows]), out.aux
+            return self.model.compute_logits(out.hidden[rows])
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Copy K/V of global cache slots src to dst (KV compaction after acceptance)."""
+        """Copy K/V (and the features the cache keeps) of global cache slots src to dst (KV
+        compaction after acceptance)."""
         self.cache.copy_slots(src.to(self.device), dst.to(self.device))
+
+    def read_features(self, slots: list[int]) -> torch.Tensor:
+        """The captured features at global ``slots`` ([len(slots), width] on the host): one
+        gather and one copy. Rank 0's own (no other rank keeps them): nothing to announce."""
+        if self.cache.features is None:
+            raise RuntimeError("this target keeps no captured features (no EAGLE-3 draft)")
+        index = torch.tensor(slots, dtype=torch.int64).to(self.device)
+        return self.cache.features.index_select(0, index).cpu()
 
     def stop(self) -> None:
         """Release the other ranks (nothing to do on one rank)."""
@@ -73,7 +84,7 @@ class TPRunner(ModelRunner):
     def _announce(self, call: str, payload: object) -> None:
         self.channel.send(call, payload)
 
-    def forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         self._announce("forward", batch)
         return super().forward(batch)
 

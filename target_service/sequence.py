@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from splitspec.kv_cache import PageTable
 from splitspec.sampling import SamplingParams
 from splitspec.spec_stats import SpecCounters
@@ -18,31 +16,6 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class FeatureHistory:
-    """Captured target features of every cached position of one sequence (for EAGLE-3 catch-up).
-
-    Kept for the sequence's lifetime so that a draft that lost its state (restart)
-    can be rebuilt from position 0.
-    """
-
-    def __init__(self, width: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        self._buf = torch.empty(64, width, dtype=dtype, device=device)
-        self.num_rows = 0
-
-    def append(self, rows: torch.Tensor) -> None:
-        need = self.num_rows + rows.shape[0]
-        if need > self._buf.shape[0]:
-            grown = torch.empty(max(need, 2 * self._buf.shape[0]), self._buf.shape[1],
-                                dtype=self._buf.dtype, device=self._buf.device)
-            grown[: self.num_rows] = self._buf[: self.num_rows]
-            self._buf = grown
-        self._buf[self.num_rows: need] = rows
-        self.num_rows = need
-
-    def rows(self, start: int, end: int) -> torch.Tensor:
-        return self._buf[start:end]
 
 
 @dataclass
@@ -62,7 +35,6 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)  # committed: prompt + generated
     num_cached: int = 0       # tokens whose K/V is in the cache (= len(tokens) - 1 once running)
     draft_synced: int = 0     # committed tokens the draft has seen
-    features: FeatureHistory | None = None
     spec: SpecCounters = field(default_factory=SpecCounters)
     queue_s: float = 0.0
     is_cancelled: bool = False

@@ -235,7 +235,9 @@ def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
                     f"{', '.join(map(str, buckets))}{prompts}; {features}) in {seconds:.1f}s")
 
 
-def connect_draft(cfg: TargetConfig, spec: ModelSpec) -> Detailed:
+def connect_draft(cfg: TargetConfig, spec: ModelSpec, cache: KVCache) -> Detailed:
+    """The draft's link, checked against this target; when the draft reads the target's
+    captured layer inputs (EAGLE-3), ``cache`` keeps them for every slot from now on."""
     link = DraftLink.connect(cfg.draft, cfg.connect_timeout_s, cfg.draft_timeout_s)
     info = link.info
     problems = draft_mismatches(info, spec)
@@ -246,8 +248,29 @@ def connect_draft(cfg: TargetConfig, spec: ModelSpec) -> Detailed:
     capture: tuple[int, ...] = ()
     if info.needs_hidden_states:
         capture = tuple(info.aux_layer_inputs) or default_capture(spec.config.num_layers)
+    held = ""
+    if capture:
+        try:
+            held = f" ({hold_features(cache, len(capture) * spec.config.hidden_size) / 2**20:.1f} MiB)"
+        except MemoryError:
+            link.close()
+            raise
     draft = Draft(link, capture, link.init_report())
-    return Detailed(draft, f"{info.kind} draft {info.model_name}, capture layer inputs {capture}")
+    return Detailed(draft, f"{info.kind} draft {info.model_name}, capture layer inputs "
+                    f"{capture}{held}")
+
+
+def hold_features(cache: KVCache, width: int) -> int:
+    """Make ``cache`` keep ``width`` captured features per slot (in its dtype); their bytes.
+    Raises MemoryError, with what to change, where the device has not that much free."""
+    need = cache.num_pages * cache.page_size * width * cache.data.element_size()
+    if cache.data.is_cuda:
+        free, _ = torch.cuda.mem_get_info(cache.data.device)
+        if need > free:
+            raise MemoryError(f"the draft's features need {need / 2**30:.1f} GiB beside the KV "
+                              f"cache but {free / 2**30:.1f} GiB is free; lower --max-running "
+                              "or --max-context, or set --num-pages")
+    return cache.hold_features(width, cache.data.dtype)
 
 
 def draft_mismatches(info: object, spec: ModelSpec) -> list[str]:
@@ -376,7 +399,7 @@ class RankParts(NamedTuple):
 
 
 def build_rank(cfg: TargetConfig, startup: Startup, where: Placement,
-               connect: Callable[[ModelSpec], Draft | None] | None = None,
+               connect: Callable[[ModelSpec, KVCache], Draft | None] | None = None,
                bind: Callable[[], object] | None = None) -> RankParts:
     """The steps every rank runs: config, process group, its shard, its cache, attention,
     graphs. Rank 0's ``bind`` runs bind_port right after the config, and its ``connect``
@@ -400,7 +423,7 @@ def build_rank(cfg: TargetConfig, startup: Startup, where: Placement,
         startup.skip("connect_draft", "rank 0 talks to the draft")
         draft = None
     else:
-        draft = connect(spec)
+        draft = connect(spec, cache)
     startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg, runner, pool, shape,
                  draft.capture if draft else (), tp.control)
     return RankParts(spec, tp, runner, pool, draft)
@@ -443,9 +466,9 @@ def build(cfg: TargetConfig, startup: Startup, start_engine: Callable[[Engine], 
           where: Placement = ONE_RANK, wait_ranks: Callable[[], None] = lambda: None) -> Built:
     """Run every step of rank 0; returns the running parts. Raises InitFailed on the first
     failure. ``wait_ranks`` returns when ranks 1..N-1 serve calls (their reports in hand)."""
-    def connect(spec: ModelSpec) -> Draft | None:
+    def connect(spec: ModelSpec, cache: KVCache) -> Draft | None:
         if cfg.draft:
-            return startup.step("connect_draft", connect_draft, cfg, spec)
+            return startup.step("connect_draft", connect_draft, cfg, spec, cache)
         startup.skip("connect_draft", "no --draft given: plain decoding only")
         return None
 

@@ -74,7 +74,7 @@ def step_runs(steps: int, tree: list[int] | None, device: str, dtype: torch.dtyp
     both runs see the same inputs at every step. Returns per run (graphed or not) each
     step's logits and features. Shared by tests/test_gpu_engine.py (CUDA) and
     :func:`target_steps` (emulated on CPU)."""
-    from splitspec.attention.base import SeqAttention
+    from splitspec.attention.base import SeqAttention, new_token_slots
     from splitspec.attention.flashinfer_backend import AttentionShape
     from splitspec.builtin import BUILTIN_TARGET
     from splitspec.kv_cache import KVCache, PagePool, PageTable
@@ -92,6 +92,7 @@ def step_runs(steps: int, tree: list[int] | None, device: str, dtype: torch.dtyp
     runs = {}
     for graphed in (False, True):
         cache = KVCache(cfg.num_layers, 64, page, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+        cache.hold_features(2 * cfg.hidden_size, dtype)
         pool = PagePool(64)
         graphs = None
         if graphed:
@@ -120,12 +121,12 @@ def step_runs(steps: int, tree: list[int] | None, device: str, dtype: torch.dtyp
                 if graphs is not None:
                     plan = graphs.plan(attn, rows, (2, 3))
                     assert plan == ((4, q, (2, 3), 0), 0, 0), plan
-                    logits, aux = graphs.run_plan(plan, ids, pos, attn, rows)
+                    logits = graphs.run_plan(plan, ids, pos, attn, rows)
                 else:
                     ctx = AttentionContext(backend, backend.plan(attn, device), cache)
-                    out = model(ids, pos, ctx, (2, 3))
-                    logits, aux = model.compute_logits(out.hidden), out.aux
-                assert aux is not None and aux.shape == (3 * q, 2 * cfg.hidden_size)
+                    logits = model.compute_logits(model(ids, pos, ctx, (2, 3)).hidden)
+                # the features each forward stored at its new tokens' slots
+                aux = cache.features[torch.tensor(new_token_slots(attn), device=device)]
                 seen.append((logits.clone(), aux.clone()))
                 last = [(7 * n + 3 * i) % cfg.vocab_size for i, n in enumerate(lengths)]
                 lengths = [n + 1 for n in lengths]  # keep the root; the tree is overwritten

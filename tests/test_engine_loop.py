@@ -15,10 +15,12 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from splitspec.kv_cache import PagePool
+from splitspec.attention.base import new_token_slots
+from splitspec.kv_cache import KVCache, PagePool
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
 from target_service.draft_client import ExchangeResult, Sent
 from target_service.engine import STOPPING, Engine, EngineLimits
+from target_service.runner import ModelRunner
 from target_service.scheduler import Scheduler
 
 
@@ -32,7 +34,7 @@ class NullRunner:
 
     def forward(self, batch):
         self.forwards.append((batch.ids.tolist(), batch.attn[0].table.pages))
-        return torch.arange(float(len(batch.logit_rows) * 8)).view(-1, 8), None
+        return torch.arange(float(len(batch.logit_rows) * 8)).view(-1, 8)
 
     def copy_slots(self, src, dst):
         raise AssertionError("no compaction expected")
@@ -85,59 +87,31 @@ def test_step_stats_say_whether_the_forward_replayed_a_graph(graphed):
         assert engine.last_stats.batch_size == 1 and engine.last_stats.graphed == graphed
 
 
-class FeatureRunner(NullRunner):
-    """Returns captured features of every token (as a target serving an EAGLE-3 draft does)
-    and records, at each forward, whether each running request keeps them."""
+class CheckedFeatures(NullRunner):
+    """A stand-in whose cache keeps features, as a target serving an EAGLE-3 draft does: each
+    forward writes every new token's [position, token] at its slot, and the compaction and
+    the draft's reads are ModelRunner's own over that cache. Before each forward it checks
+    that every running request's features are its committed tokens', position by position."""
+
+    copy_slots = ModelRunner.copy_slots
+    read_features = ModelRunner.read_features
 
     def __init__(self) -> None:
         super().__init__()
+        self.cache = KVCache(1, 8, 4, 1, 2, torch.float32, "cpu")
+        self.cache.hold_features(2, torch.float32)
         self.engine: Engine | None = None
-        self.kept: list[tuple[int, bool]] = []  # (speculation mode, holds features)
+        self.checked = self.wrong = 0
 
     def forward(self, batch):
-        self.kept += [(s.speculation, s.features is not None)
-                      for s in self.engine.scheduler.running]
-        logits, _ = super().forward(batch)
-        return logits, torch.stack([batch.positions, batch.ids], 1).float()  # each row: where, what
-
-
-class CheckedFeatures(FeatureRunner):
-    """FeatureRunner whose features name each row's position and token; before each forward
-    it checks that every running request's kept features are its committed tokens', position
-    by position (what a draft catching up reads), and it takes the KV compaction."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.checked = self.moves = 0
-        self.wrong: list[tuple[int, list, list]] = []
-
-    def forward(self, batch):
-        for seq in self.engine.scheduler.running:
-            if seq.features is not None:
-                got = seq.features.rows(0, seq.num_cached).tolist()
-                want = [[p, seq.tokens[p]] for p in range(seq.num_cached)]
-                self.checked += 1
-                if got != want:
-                    self.wrong.append((seq.seq_id, got, want))
+        cached = [s for s in self.engine.scheduler.running if s.num_cached]
+        for seq in cached:
+            got = self.cache.features[seq.table.slots(range(seq.num_cached))].tolist()
+            self.wrong += got != [[p, seq.tokens[p]] for p in range(seq.num_cached)]
+        self.checked += len(cached)
+        slots = torch.tensor(new_token_slots(batch.attn))
+        self.cache.write_features(slots, torch.stack([batch.positions, batch.ids], 1).float())
         return super().forward(batch)
-
-    def copy_slots(self, src, dst):
-        self.moves += len(src)
-
-
-def test_only_requests_that_may_speculate_keep_the_targets_features():
-    """The features an EAGLE-3 draft catches up from are kept for AUTO requests (speculation
-    may start at any step), not for OFF ones (it never does): no memory and no per-step copy
-    for those; both generate alike."""
-    runner = FeatureRunner()
-    with running_engine(runner, PagePool(8), capture=(1,)) as engine:
-        runner.engine = engine
-        outputs = [engine.generate([3, 1, 4], 6, mode)[0]
-                   for mode in (common_pb2.SPECULATION_MODE_OFF, common_pb2.SPECULATION_MODE_AUTO)]
-    assert outputs[0] == outputs[1] and len(outputs[0]) == 6
-    # (a request's features begin with its prompt's, kept after its first forward)
-    assert {held for mode, held in runner.kept if mode == common_pb2.SPECULATION_MODE_OFF} == {False}
-    assert (common_pb2.SPECULATION_MODE_AUTO, True) in runner.kept
 
 
 class SlowRunner(NullRunner):
@@ -402,16 +376,40 @@ class BranchDraft(ChainDraft):
         return sent
 
 
-@pytest.mark.parametrize("draft", [None, "branch"])
-def test_the_kept_features_are_the_committed_tokens_position_by_position(draft):
-    """Plain steps (nothing moves: the features are the step's first rows) and a tree whose
-    accepted path moves (the features of the root and the accepted nodes, in path order):
-    before every step each request's features are its committed tokens' ones."""
+class PausingDraft(BranchDraft):
+    """BranchDraft with no reply to the requests of the target's steps 3 to 5 (as a draft too
+    slow or away): the sequence decodes without speculation meanwhile, and the request after
+    catches the draft up on every token since its last reply."""
+
+    def receive(self, sent: Sent) -> ExchangeResult:
+        result = super().receive(sent)
+        return ExchangeResult(None, "paused", False) if 3 <= sent.step <= 5 else result
+
+
+@pytest.mark.parametrize("draft", [None, "branch", "pausing"])
+def test_the_features_are_the_committed_tokens_position_by_position(draft):
+    """The target's features live in its cache (one row a slot): written by each forward,
+    moved by the compaction with the K/V (a tree whose accepted path moves: the root's and
+    the accepted nodes' rows, in path order), read for each draft request. Before every step
+    each request's features are its committed tokens'; every draft request carries those of
+    the tokens from the one before its first new token (its catch-up, after a pause too)."""
     runner = CheckedFeatures()
-    link = BranchDraft() if draft else None
+    link = {None: None, "branch": BranchDraft(), "pausing": PausingDraft()}[draft]
     shape = common_pb2.DraftShape(num_draft_tokens=4, topk=2, num_steps=2)
     with running_engine(runner, PagePool(8), link, shape, capture=(1,)) as engine:
         runner.engine = engine
         tokens, spec = engine.generate([3, 1, 4], 12, ON if draft else common_pb2.SPECULATION_MODE_AUTO)
-    assert tokens == [7] * 12 and runner.wrong == [] and runner.checked >= 4
-    assert (spec.accepted_tokens, runner.moves) == ((8, 8) if draft else (0, 0))
+    assert tokens == [7] * 12 and runner.wrong == 0 and runner.checked >= 4
+    committed = [3, 1, 4, *tokens]
+    requests = [r.seqs[0] for _, r in link.sent] if link else []
+    for item in requests:
+        rows = torch.frombuffer(bytearray(item.hidden_states), dtype=torch.float32).view(-1, 2)
+        first = max(item.start - 1, 0)
+        assert item.new_tokens == committed[item.start:item.start + len(item.new_tokens)]
+        assert rows.tolist() == [[p, committed[p]] for p in range(
+            first, item.start + len(item.new_tokens) - 1)]
+    # the branch's trees each accept two nodes, which move; while the draft does not reply,
+    # each request carries every token since its last reply (the last one, the catch-up)
+    assert spec.accepted_tokens == {None: 0, "branch": 8, "pausing": 6}[draft]
+    assert [len(item.new_tokens) for item in requests] == {
+        None: [], "branch": [4, 3, 3, 3], "pausing": [4, 3, 4, 5, 6, 3]}[draft]

@@ -43,6 +43,7 @@ from splitspec.attention import (
     SeqAttention,
     TorchAttentionBackend,
 )
+from splitspec.attention.base import new_token_slots
 from splitspec.attention.cascade import TorchPrefix
 from splitspec.attention.decode_table import prefix_attention_for
 from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
@@ -235,6 +236,7 @@ def test_prefill_graphs_and_mixed_steps_match_eager_steps(tree):
     for graphed in (False, True):
         cache = KVCache(cfg.num_layers, 64, PAGE, cfg.num_kv_heads, cfg.head_dim,
                         torch.bfloat16, "cuda")
+        cache.hold_features(2 * cfg.hidden_size, torch.bfloat16)
         pool = PagePool(64)
         runner = ModelRunner(model, cache, backend, "cuda")
         if graphed:
@@ -261,9 +263,11 @@ def test_prefill_graphs_and_mixed_steps_match_eager_steps(tree):
                 pos += positions(tree, lengths[i]).tolist() if tree else [lengths[i]]
                 attn.append(SeqAttention(tables[i], lengths[i] + q, q,
                                          tree=ancestor_mask(tree) if tree else None))
-            logits, aux = runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), attn,
-                                                      rows, (2, 3)))
-            assert aux is not None and aux.shape[0] == len(ids)
+            logits = runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), attn,
+                                                 rows, (2, 3)))
+            # the features the forward stored at its new tokens' slots (read before the
+            # next step, whose tree overwrites this one's)
+            aux = runner.read_features(new_token_slots(attn))
             seen.append((logits.float(), aux.float()))
             flags.append(runner.last_graphed)
             for i in new:

@@ -178,7 +178,12 @@ def test_tree_forward_matches_each_branch_decoded_alone(models, form):
 def test_captured_layer_inputs_match_transformers_hidden_states(models):
     ours, theirs = models
     ids = list(range(100, 110))
-    _, aux = Runner(ours).run(ids, torch.arange(10), 10, capture=(2, 3, 6))
+    runner = Runner(ours)
+    runner.cache.hold_features(3 * ours.config.hidden_size, torch.float32)
+    _, aux = runner.run(ids, torch.arange(10), 10, capture=(2, 3, 6))
+    # the forward also stored them in the cache, each token's at its slot (pages out of order)
+    assert torch.equal(runner.cache.features[runner.table.slots(range(10))], aux)
+    assert not runner.cache.features[:3 * 4].any()  # the pages the table does not hold
     with torch.inference_mode():
         hs = theirs(torch.tensor([ids]), output_hidden_states=True).hidden_states
     # transformers' hidden_states[i] is the input of layer i (and [N] the last, pre-norm... normed)

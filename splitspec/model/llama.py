@@ -46,8 +46,9 @@ class LlamaForCausalLM(nn.Module):
         """Run the decoder over input_ids [T] at positions [T].
 
         ``capture`` lists layer indices whose *input* (the residual stream before
-        that layer) is returned in ``aux``; index num_layers means the output of
-        the last layer before the final norm.
+        that layer) is returned in ``aux``, and stored in the cache's features at the
+        new tokens' slots where it keeps them (``KVCache.hold_features``); index
+        num_layers means the output of the last layer before the final norm.
         """
         h = self.model.embed_tokens(input_ids)  # the residual stream
         delta: torch.Tensor | None = None  # the last MLP's output, not yet added to h
@@ -62,7 +63,10 @@ class LlamaForCausalLM(nn.Module):
         normed, h = (final(h), h) if delta is None else final.add_forward(delta, h)
         if self.config.num_layers in capture:
             captured[self.config.num_layers] = h
-        aux = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        aux = None
+        if capture:
+            aux = torch.cat([captured[i] for i in capture], dim=-1)
+            ctx.cache.write_features(ctx.meta.write_slots, aux)
         return LlamaOutput(normed, aux)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
