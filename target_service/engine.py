@@ -697,6 +697,7 @@ class Engine:
                 result: _ForwardResult) -> tuple[int, int, list[int]]:
         """Accept, compact and emit for every sequence; returns the decoding sequences'
         drafted and accepted tokens, and the tokens each committed."""
+        self._compact(decode, result.accepted)  # before a commit can finish a sequence
         for seq, token in zip(prefill, result.prefill_tokens, strict=True):
             self._commit_prefill(seq, token)
         drafted = accepted = 0
@@ -713,19 +714,31 @@ class Engine:
         seq.table.num_slots = seq.num_cached
         self._emit_tokens(seq, [token])
 
+    def _compact(self, decode: list[Sequence], accepted: list[Acceptance]) -> None:
+        """Move every sequence's accepted path down to the slots after its committed ones,
+        its K/V and the features the cache keeps: one copy of the slots to the device and one
+        compaction for the whole batch (per sequence, those cost more host time than the rest
+        of its bookkeeping; docs/benchmarks.md, twenty-first part). Their pages are distinct,
+        so no move overlaps another sequence's."""
+        src: list[int] = []
+        dst: list[int] = []
+        for seq, acceptance in zip(decode, accepted, strict=True):
+            # tree index i (0 the root) of the kept run [root, *path] goes to index i's place
+            moves = [(node, place) for place, node in enumerate(acceptance.path, 1)
+                     if node != place]
+            if moves:
+                length = seq.num_cached
+                src += seq.table.slots([length + node for node, _ in moves])
+                dst += seq.table.slots([length + place for _, place in moves])
+        if src:
+            rows = torch.tensor(src + dst, device=self.device)
+            self.runner.copy_slots(rows[:len(src)], rows[len(src):])
+
     def _commit_decode(self, seq: Sequence, tree: Tree, acceptance: Acceptance) -> int:
-        """Compact the KV cache (and the features it keeps) to the accepted path, commit
-        tokens; returns how many were committed (the accepted path and the bonus token, cut
+        """Commit the tokens of a sequence whose accepted path :meth:`_compact` moved into
+        place; returns how many were committed (the accepted path and the bonus token, cut
         at max_new_tokens)."""
-        length = seq.num_cached
-        kept = [0, *acceptance.path]  # tree indices whose K/V stays: root then accepted nodes
-        moved = [(src, dst) for dst, src in enumerate(kept) if src != dst]
-        if moved:  # one copy to the device: the moved slots' sources, then destinations
-            rows = torch.tensor(seq.table.slots([length + src for src, _ in moved]
-                                                + [length + dst for _, dst in moved]),
-                                device=self.device)
-            self.runner.copy_slots(rows[:len(moved)], rows[len(moved):])
-        seq.num_cached = length + len(kept)
+        seq.num_cached += 1 + len(acceptance.path)  # the root and the accepted nodes
         seq.table.num_slots = seq.num_cached
         if tree.num_nodes:
             depth = max(depths(tree.parents))

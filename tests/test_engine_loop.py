@@ -98,7 +98,7 @@ class CheckedFeatures(NullRunner):
 
     def __init__(self) -> None:
         super().__init__()
-        self.cache = KVCache(1, 8, 4, 1, 2, torch.float32, "cpu")
+        self.cache = KVCache(1, 16, 4, 1, 2, torch.float32, "cpu")
         self.cache.hold_features(2, torch.float32)
         self.engine: Engine | None = None
         self.checked = self.wrong = 0
@@ -413,3 +413,42 @@ def test_the_features_are_the_committed_tokens_position_by_position(draft):
     assert spec.accepted_tokens == {None: 0, "branch": 8, "pausing": 6}[draft]
     assert [len(item.new_tokens) for item in requests] == {
         None: [], "branch": [4, 3, 3, 3], "pausing": [4, 3, 4, 5, 6, 3]}[draft]
+
+
+def test_one_compaction_moves_every_sequences_accepted_path():
+    """Two requests of different lengths decode together, each step's trees accepting nodes
+    that move: the step compacts both in one copy_slots call, and before every step each
+    one's features are its own committed tokens' (CheckedFeatures), as every draft request
+    carries them."""
+    runner = CheckedFeatures()
+    calls = []
+    runner.copy_slots = lambda src, dst: calls.append(len(src)) or ModelRunner.copy_slots(
+        runner, src, dst)
+    link = BranchDraft()
+    shape = common_pb2.DraftShape(num_draft_tokens=4, topk=2, num_steps=2)
+    prompts = {1: [3, 1, 4], 2: [2, 7]}
+    outputs: dict[int, list[int]] = {}
+    with running_engine(runner, PagePool(16), link, shape, capture=(1,)) as engine:
+        runner.engine = engine
+        stream, outbox = engine.open_stream()
+        for rid, prompt in prompts.items():
+            engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
+                request_id=rid, prompt_ids=prompt, max_new_tokens=12, ignore_eos=True,
+                speculation=ON)))
+        finished = set()
+        while len(finished) < 2:
+            for delta in outbox.get(timeout=10).deltas:
+                outputs.setdefault(delta.request_id, []).extend(delta.token_ids)
+                if delta.finish_reason:
+                    finished.add(delta.request_id)
+    assert outputs == {1: [7] * 12, 2: [7] * 12} and runner.wrong == 0 and runner.checked >= 8
+    # both sequences' moves (two a tree) in one call a step, once both decode
+    assert 4 in calls and max(calls) == 4
+    by_seq = {item.seq_id: prompts[item.seq_id] + [7] * 12 for _, r in link.sent for item in r.seqs}
+    assert len(by_seq) == 2  # seq ids follow the admissions
+    for _, request in link.sent:
+        for item in request.seqs:
+            committed = by_seq[item.seq_id]
+            rows = torch.frombuffer(bytearray(item.hidden_states), dtype=torch.float32).view(-1, 2)
+            assert rows.tolist() == [[p, committed[p]] for p in range(
+                max(item.start - 1, 0), item.start + len(item.new_tokens) - 1)]
