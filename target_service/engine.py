@@ -17,6 +17,7 @@ batch size and with it the policy's shape).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -73,6 +74,14 @@ DEPTH_REACHED = _METER.create_counter(
 DEPTH_ACCEPTED = _METER.create_counter(
     "splitspec.target.tree.depth_accepted", "{tree}",
     "Verified trees with a node accepted at a depth (acceptance per depth = accepted / reached)")
+
+
+@functools.lru_cache(maxsize=1024)
+def tree_mask(parents: tuple[int, ...]) -> torch.Tensor:
+    """A verify tree's ancestor mask, one tensor shared by every step and sequence whose tree
+    has these parents (a draft's trees of one budget take few shapes; building one was a
+    tensor per sequence per step). Read only, as every reader of SeqAttention.tree is."""
+    return ancestor_mask(list(parents))
 
 
 @dataclass(frozen=True)
@@ -652,7 +661,7 @@ class Engine:
             pos.extend(length + d for d in depths(tree.parents))
             attn.append(SeqAttention(seq.table, kv_len=length + 1 + tree.num_nodes,
                                      q_len=1 + tree.num_nodes,
-                                     tree=ancestor_mask(tree.parents) if tree.num_nodes else None))
+                                     tree=tree_mask(tuple(tree.parents)) if tree.num_nodes else None))
         starts = list(itertools.accumulate([a.q_len for a in attn], initial=0))
         logit_rows = [starts[i + 1] - 1 for i in range(len(prefill))]
         for i in range(len(prefill), len(attn)):

@@ -452,3 +452,16 @@ def test_one_compaction_moves_every_sequences_accepted_path():
             rows = torch.frombuffer(bytearray(item.hidden_states), dtype=torch.float32).view(-1, 2)
             assert rows.tolist() == [[p, committed[p]] for p in range(
                 max(item.start - 1, 0), item.start + len(item.new_tokens) - 1)]
+
+
+def test_a_trees_mask_is_built_once_per_shape():
+    """The verify forward's tree masks come from a cache keyed by the whole parent list: the
+    same shape shares one tensor, another shape of the same size gets its own."""
+    from splitspec.tree import ancestor_mask
+    from target_service.engine import tree_mask
+
+    chain, branch = (0, 1, 2), (0, 0, 1)
+    assert tree_mask(chain) is tree_mask(chain)
+    assert torch.equal(tree_mask(chain), ancestor_mask(list(chain)))
+    assert torch.equal(tree_mask(branch), ancestor_mask(list(branch)))
+    assert not torch.equal(tree_mask(chain), tree_mask(branch))
