@@ -42,7 +42,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -314,8 +314,7 @@ class StepGraphs:
             hidden = out.hidden.index_select(0, logit_rows) if tokens else out.hidden
             logits.copy_(self.model.compute_logits(hidden))
 
-        graph, _ = self._record(forward)
-        return _Graph(graph, wrapper, inputs, staged, trees, logits, ctx, table)
+        return _Graph(self._record(forward), wrapper, inputs, staged, trees, logits, ctx, table)
 
     def _decode_table(self, padding: list[SeqAttention], slots: torch.Tensor
                       ) -> DecodeTableMetadata:
@@ -331,9 +330,9 @@ class StepGraphs:
         return DecodeTableMetadata(slots, torch.from_numpy(table).to(self.device), splits,
                                    part_out, part_lse, block_keys(size))
 
-    def _record(self, forward: Callable[[], Any]) -> tuple[torch.cuda.CUDAGraph, Any]:
+    def _record(self, forward: Callable[[], None]) -> torch.cuda.CUDAGraph:
         """Warm forward up on a side stream (lazy initialisation must not happen in capture),
-        then capture it into this model's pool: the graph and forward's static outputs."""
+        then capture it into this model's pool (its outputs are buffers it writes)."""
         device = self.device
         with torch.inference_mode():
             side = torch.cuda.Stream(device)
@@ -344,8 +343,8 @@ class StepGraphs:
             torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                outputs = forward()
-        return graph, outputs
+                forward()
+        return graph
 
 
 def _logit_rows(key: GraphKey) -> int:
