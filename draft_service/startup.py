@@ -45,7 +45,7 @@ from splitspec.attention.decode_table import prefix_attention_for
 from splitspec.cuda_graphs import buckets_up_to
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, Startup
-from splitspec.kv_cache import KVCache, PagePool
+from splitspec.kv_cache import KVCache, PagePool, memory_shortfall
 from splitspec.model.loader import parse_dtype, use_cpu_threads
 from splitspec.replay import read_records
 from splitspec.sampling import SamplingParams
@@ -89,11 +89,8 @@ def allocate_kv_cache(cfg: DraftConfig, model: DraftModel) -> Detailed:
     dtype = parse_dtype(cfg.dtype)
     need = KVCache.bytes_needed(model.num_layers, num_pages, cfg.page_size, model.num_kv_heads,
                                 model.head_dim, dtype)
-    if cfg.device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(cfg.device))
-        if need > free:
-            raise MemoryError(f"draft KV cache needs {need / 2**30:.1f} GiB but {free / 2**30:.1f} "
-                              "GiB is free; lower --max-running or --max-context")
+    if short := memory_shortfall(need, cfg.device, "draft KV cache"):
+        raise MemoryError(f"{short}; lower --max-running or --max-context")
     cache = KVCache(model.num_layers, num_pages, cfg.page_size, model.num_kv_heads, model.head_dim,
                     dtype, cfg.device)
     return Detailed((cache, PagePool(num_pages)),

@@ -107,6 +107,19 @@ class PageTable:
                 + logical % self.page_size).to(device)
 
 
+def memory_shortfall(need: int, device: torch.device | str, what: str) -> str:
+    """Why ``need`` bytes of ``what`` will not fit on ``device`` ("" when they do, or when the
+    device is not a GPU): the start-up steps that allocate a cache fail with it, before
+    the allocation would."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return ""
+    free, _ = torch.cuda.mem_get_info(device)
+    if need <= free:
+        return ""
+    return f"{what} needs {need / 2**30:.1f} GiB but {free / 2**30:.1f} GiB is free"
+
+
 class KVCache:
     """The preallocated K/V tensor pool of one process (all layers)."""
 

@@ -41,7 +41,7 @@ from splitspec.attention import (
 from splitspec.cuda_graphs import PROMPT_BUCKETS, StepGraphs, buckets_up_to
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, InitFailed, InitReport, Startup, fail_startup
-from splitspec.kv_cache import KVCache, PagePool
+from splitspec.kv_cache import KVCache, PagePool, memory_shortfall
 from splitspec.model.config import LlamaConfig, read_hf_config
 from splitspec.model.llama import LlamaForCausalLM
 from splitspec.model.loader import load_llama, parse_dtype, use_cpu_threads
@@ -144,6 +144,9 @@ def load_model(cfg: TargetConfig, tp: TPGroup, device: str) -> Detailed:
                     f"{threads}")
 
 
+LESS_MEMORY = "lower --max-running or --max-context, or set --num-pages"
+
+
 def allocate_kv_cache(cfg: TargetConfig, model_cfg: LlamaConfig, tp: TP, device: str) -> Detailed:
     """This rank's KV heads for every page; every rank ends with the same page count."""
     per_seq = cfg.max_context + cfg.max_tree_nodes + 1
@@ -154,11 +157,8 @@ def allocate_kv_cache(cfg: TargetConfig, model_cfg: LlamaConfig, tp: TP, device:
     kv_heads = layout(model_cfg, tp.group).kv_heads if tp.group.size > 1 else model_cfg.num_kv_heads
     need = KVCache.bytes_needed(model_cfg.num_layers, num_pages, cfg.page_size,
                                 kv_heads, model_cfg.head_dim, dtype)
-    if device.startswith("cuda"):
-        free, _ = torch.cuda.mem_get_info(torch.device(device))
-        if need > free:
-            raise MemoryError(f"KV cache needs {need / 2**30:.1f} GiB but {free / 2**30:.1f} GiB is "
-                              "free; lower --max-running or --max-context, or set --num-pages")
+    if short := memory_shortfall(need, device, "KV cache"):
+        raise MemoryError(f"{short}; {LESS_MEMORY}")
     if tp.group.size > 1:  # the ranks must agree (rank 0 allocates pages for all of them)
         agreed = torch.tensor([num_pages])
         dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=tp.control)
@@ -250,27 +250,16 @@ def connect_draft(cfg: TargetConfig, spec: ModelSpec, cache: KVCache) -> Detaile
         capture = tuple(info.aux_layer_inputs) or default_capture(spec.config.num_layers)
     held = ""
     if capture:
-        try:
-            held = f" ({hold_features(cache, len(capture) * spec.config.hidden_size) / 2**20:.1f} MiB)"
-        except MemoryError:
+        width = len(capture) * spec.config.hidden_size
+        need = cache.num_pages * cache.page_size * width * cache.data.element_size()
+        if short := memory_shortfall(need, cache.data.device, "the draft's features (beside "
+                                     "the KV cache)"):
             link.close()
-            raise
+            raise MemoryError(f"{short}; {LESS_MEMORY}")
+        held = f" ({cache.hold_features(width, cache.data.dtype) / 2**20:.1f} MiB)"
     draft = Draft(link, capture, link.init_report())
     return Detailed(draft, f"{info.kind} draft {info.model_name}, capture layer inputs "
                     f"{capture}{held}")
-
-
-def hold_features(cache: KVCache, width: int) -> int:
-    """Make ``cache`` keep ``width`` captured features per slot (in its dtype); their bytes.
-    Raises MemoryError, with what to change, where the device has not that much free."""
-    need = cache.num_pages * cache.page_size * width * cache.data.element_size()
-    if cache.data.is_cuda:
-        free, _ = torch.cuda.mem_get_info(cache.data.device)
-        if need > free:
-            raise MemoryError(f"the draft's features need {need / 2**30:.1f} GiB beside the KV "
-                              f"cache but {free / 2**30:.1f} GiB is free; lower --max-running "
-                              "or --max-context, or set --num-pages")
-    return cache.hold_features(width, cache.data.dtype)
 
 
 def draft_mismatches(info: object, spec: ModelSpec) -> list[str]:

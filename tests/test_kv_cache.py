@@ -146,3 +146,14 @@ def test_new_token_slots_and_flashinfers_page_lists():
         new_token_slots([SeqAttention(PageTable(4, [5], 3), kv_len=2, q_len=3)])
     with pytest.raises(IndexError, match="exceeds the 4 slots"):
         new_token_slots([SeqAttention(PageTable(4, [5], 3), kv_len=5, q_len=1)])
+
+
+def test_memory_shortfall_names_what_does_not_fit_on_a_gpu(monkeypatch):
+    """The start-up steps that allocate a cache check the device's free memory first."""
+    from splitspec.kv_cache import memory_shortfall
+
+    assert memory_shortfall(2**40, "cpu", "KV cache") == ""  # host memory is not checked
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2**30, 2**34))
+    assert memory_shortfall(2**29, "cuda:0", "KV cache") == ""
+    assert memory_shortfall(3 * 2**30, "cuda:0", "KV cache") == (
+        "KV cache needs 3.0 GiB but 1.0 GiB is free")
