@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from splitspec.kernels.kv_compact import compact_kv
+from splitspec.kernels.kv_compact import CHUNK, compact_kv
 from splitspec.kv_cache import KVCache
 
 
@@ -36,9 +36,34 @@ def run(device: str) -> None:
     changed += check(device, 1, 6, 4, 1, 32, torch.float32, [2, 5], [5, 9])
     changed += check(device, 2, 40, 16, 2, 64, torch.float16, list(range(100, 137)),
                      list(range(60, 97)))
+    # a batch's compaction in one call, as Engine._compact makes it: 8 sequences' accepted
+    # paths in path order (38 moves, so three chunks; the fourth sequence's moves straddle
+    # the first chunk's end, and its last move writes a slot one of the first chunk read),
+    # each moving down over its own sources, on pages that are not in order
+    src, dst = batch_compaction(page=16)
+    assert len(src) > 2 * CHUNK
+    changed += check(device, 2, 16, 16, 2, 64, torch.bfloat16, src, dst)
     # nothing to move
     check(device, 1, 2, 4, 1, 32, torch.float32, [], [])
-    assert changed == 4
+    assert changed == 5
+
+
+def batch_compaction(page: int) -> tuple[list[int], list[int]]:
+    """Global source and destination slots of 8 sequences' accepted paths: sequence i holds
+    pages 2i + 1 then 2i, its committed prefix ends at position 3 + i, and its path's tree
+    indices move down to indices 1, 2, ... after the root (Engine._compact)."""
+    paths = [[2, 3, 5, 6, 8], [1, 3, 4, 7, 9, 10], [4, 6], [2, 5, 6, 8, 11, 12], [3],
+             [1, 2, 4, 6, 7, 9], [2, 4, 6, 8, 10, 12, 14], [3, 4, 6, 7, 9, 10, 13, 14]]
+    src: list[int] = []
+    dst: list[int] = []
+    for i, path in enumerate(paths):
+        pages, length = [2 * i + 1, 2 * i], 3 + i
+        slots = [pages[p // page] * page + p % page for p in range(2 * page)]
+        for place, node in enumerate(path, 1):
+            if node != place:
+                src.append(slots[length + node])
+                dst.append(slots[length + place])
+    return src, dst
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -128,13 +128,14 @@ def test_counts_and_offsets_that_change_while_serving_reuse_start_ups_variants(h
 
     def met(then_serving: bool) -> None:
         dtype, dev = torch.bfloat16, "cuda"
-        # the KV compaction: 3 moves from fresh lists, then 16 and 1 (Triton makes an int
-        # argument equal to 1 a constant) from lists at odd addresses
-        for count, offset in ((3, 0), (16, 1), (1, 3)) if then_serving else ((3, 0),):
+        # the KV compaction: 3 moves from fresh lists, then 16, 1 (Triton makes an int
+        # argument equal to 1 a constant) and 40 (a whole batch's, in three chunks) from
+        # lists at odd addresses
+        for count, offset in ((3, 0), (16, 1), (1, 3), (40, 5)) if then_serving else ((3, 0),):
             cache = KVCache(2, 10, 16, 3, 48, dtype, dev)
             cache.data.copy_(torch.randn(cache.data.shape).to(dtype))
             want = cache.data.clone()
-            slots = torch.arange(100, device=dev)
+            slots = torch.arange(160, device=dev)
             src, dst = slots[60 + offset:60 + offset + count], slots[offset:offset + count]
             compact_kv(cache.data, src, dst)
             reference = KVCache(2, 10, 16, 3, 48, dtype, dev)

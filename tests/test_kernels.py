@@ -56,15 +56,6 @@ def test_bad_slot_lists_are_refused():
         compact_kv(data.transpose(2, 3), torch.tensor([1]), torch.tensor([0]))
 
 
-def test_kv_compaction_compiles_one_variant_for_up_to_16_moves():
-    """The move count is a compile-time constant of the kernel: a verify step's 1 to 16
-    moves share one (compiled at warm-up, not at the first step that moves 3 or 9)."""
-    from splitspec.kernels.kv_compact import moves_block
-
-    assert {moves_block(n) for n in range(1, 17)} == {16}
-    assert [moves_block(n) for n in (17, 32, 33, 64)] == [32, 32, 64, 64]
-
-
 def test_paged_decode_refuses_inconsistent_inputs():
     from splitspec.kernels.paged_decode import paged_decode_attention
 
