@@ -270,7 +270,11 @@ def init_steps(pb: common_pb2.InitReport) -> dict[str, Any]:
 
 
 def mean_decode_batch(stats: RunStats) -> float:
-    decode = [s.batch_size for s in stats.steps if s.prefill_tokens == 0 and s.batch_size]
+    """The mean count of decoding sequences over the steps that decode, mixed ones included.
+    (Until session 26 it left mixed steps out. Under speculation most steps are mixed, so that
+    mean was mostly of the run's last steps, where the batch drains: 45.6 for ON at 64 streams
+    on the H200 where the middle of the run decoded about 57, docs/benchmarks.md.)"""
+    decode = [s.batch_size for s in stats.steps if s.batch_size]
     return statistics.fmean(decode) if decode else 0.0
 
 
@@ -471,8 +475,10 @@ def draft_counts(draft: draft_pb2_grpc.DraftStub | None) -> tuple[int, int]:
     return status.trees, status.replay_misses
 
 
+# waiting: sequences in the target's queue at the step (no room among the running yet), so
+# that a trace tells them from those on their way back from the client
 TRACE_FIELDS = ("step", "batch_size", "prefill_tokens", "speculated", "tree_budget",
-                "committed_tokens", "period_s", "total_s", "draft_s", "forward_s")
+                "committed_tokens", "period_s", "total_s", "draft_s", "forward_s", "waiting")
 
 
 def write_trace(path: Path | None, concurrency: int, mode: str, run: int,

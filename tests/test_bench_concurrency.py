@@ -226,6 +226,7 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         steps = [dict(zip(fields, row, strict=True)) for row in run["steps"]]
         speculated = {s["speculated"] for s in steps if s["batch_size"]}
         assert speculated == {run["mode"] == "ON"}, run["mode"]  # timed OFF and ON runs
+        assert {s["waiting"] for s in steps} == {0}  # 2 streams never wait for room
         work = sum(bc.request_lengths(entry["num_prompts"], 8, 0.5))
         # every token but each prompt's first (its prefill's), in some step
         assert sum(s["committed_tokens"] for s in steps) == work - entry["num_prompts"]
@@ -256,3 +257,19 @@ def test_request_lengths_spread_the_work_the_same_way_for_every_mode():
     assert bc.new_tokens_text({"max_new_tokens": 48}) == "48"  # reports from before the option
     with pytest.raises(SystemExit):
         bc.main(["--new-tokens-spread", "1.5"])
+
+
+def test_the_mean_decode_batch_counts_mixed_steps_and_not_prompt_only_ones():
+    """Under speculation most steps also prefill: a mean over decode-only steps was mostly one
+    of the run's draining last steps (45.6 against about 57 at 64 streams on the H200)."""
+    from bench_speculation import RunStats
+
+    from splitspec.v1 import target_pb2
+
+    def step(batch: int, prompt_tokens: int) -> target_pb2.StepStats:
+        return target_pb2.StepStats(batch_size=batch, prefill_tokens=prompt_tokens)
+
+    stats = RunStats(steps=[step(0, 640), step(60, 256), step(58, 128), step(64, 0),
+                            step(10, 0)])
+    assert bc.mean_decode_batch(stats) == (60 + 58 + 64 + 10) / 4
+    assert bc.mean_decode_batch(RunStats(steps=[step(0, 64)])) == 0.0
