@@ -231,6 +231,7 @@ def run_prompts(device: str) -> None:
     check_prompts(device, torch.float32, [1, 1, 30], 64, 2, 2, 64)         # one-token prompts
     check_prompts(device, torch.bfloat16, [70, 40, 10], 128, 32, 8, 128)  # 8B heads, padding
     check_prompts(device, torch.float16, [33], 48, 6, 3, 48)               # D not a power of 2
+    check_prompts(device, torch.float32, [200, 60], 272, 2, 1, 32)        # many key blocks
 
 
 def check_paged_decode(device: str, dtype: torch.dtype, lengths: list[int], page: int,

@@ -157,10 +157,12 @@ def test_counts_and_offsets_that_change_while_serving_reuse_start_ups_variants(h
         cases.check_tree(dev, dtype, 2, 4, 8, 3, 8, 2, 64, 1.0)
         if then_serving:
             cases.check_tree(dev, dtype, 2, 16, 1, 1, 8, 2, 64, 1.0)
-        # prompts: 40 rows, then 48 (two key blocks either way)
+        # prompts: 40 rows, then 48, and 640 (past the prefill graphs' 512 rows, where a
+        # trip count fixed at compile time compiled a variant for each power of two)
         cases.check_prompts(dev, dtype, [30, 10], 40, 8, 2, 64)
         if then_serving:
             cases.check_prompts(dev, dtype, [30, 18], 48, 8, 2, 64)
+            cases.check_prompts(dev, dtype, [600, 40], 640, 8, 2, 64)
         # paged decode and a verify's prefix: tables 4 wide, 9 rows a sequence; then 16 wide
         # (240 keys), 16 rows. check_paged_decode also runs 1 split and 3 more: 12, 1, 15,
         # then 13, 1, 16 (the merge's block of splits, a constexpr, is 16 for all but 1).

@@ -6,7 +6,8 @@ prompt that begins at row s sees rows s..i. Many prompts are packed one after
 another, and each row carries its prompt's first row (``starts``), so the
 kernel's grid depends on the packed length alone: one program per block of
 rows and query head, looping over key blocks from its rows' earliest start to
-its last row (flash attention's running softmax). Nothing is read from the KV
+its last row (flash attention's running softmax; the loop's bounds are loaded and
+computed in the kernel, so no prompt length compiles a variant of its own). Nothing is read from the KV
 cache and no mask tensor is built, so the same launch serves every mix of
 prompt lengths and can be captured once per padded length. Reference:
 ``prompt_attention_reference`` in splitspec/attention/prompts.py
@@ -32,7 +33,7 @@ BLOCK_N = 32
 def _prompt_attention_kernel(q, k, v, starts, out, rows, q_row, q_head, k_row, k_head,
                              v_row, v_head, o_row, o_head, group, scale_log2,
                              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_D: tl.constexpr, KEY_BLOCKS: tl.constexpr, IEEE: tl.constexpr):
+                             BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
     block = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     kv_head = h // group
@@ -45,16 +46,17 @@ def _prompt_attention_kernel(q, k, v, starts, out, rows, q_row, q_head, k_row, k
     if IEEE:
         query = query.to(tl.float32)
     # Key blocks from the block's earliest start (starts never decrease) to its last row. The
-    # trip count is a constant (the interpreter cannot loop to a loaded bound); blocks past
-    # the last row are masked out whole.
+    # trip count was once a compile-time constant, the padded length's key blocks: every
+    # program looped over all of them, and a prompt longer than the prefill graphs' 512 rows
+    # compiled a variant while serving for each new power of two.
     lo = tl.load(starts + block * BLOCK_M)
-    hi = block * BLOCK_M + BLOCK_M
+    end = tl.minimum(block * BLOCK_M + BLOCK_M, rows)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     top = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for i in range(KEY_BLOCKS):
-        n = lo + i * BLOCK_N + tl.arange(0, BLOCK_N)
-        both = ((n < rows) & (n < hi))[:, None] & has_d[None, :]
+    for key_start in range(lo, end, BLOCK_N):
+        n = key_start + tl.arange(0, BLOCK_N)
+        both = (n < end)[:, None] & has_d[None, :]
         key = tl.load(k + n[:, None].to(tl.int64) * k_row + kv_head * k_head + d[None, :],
                       mask=both, other=0.0)
         if IEEE:
@@ -101,6 +103,5 @@ def prompt_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v.stride(0), v.stride(1), out.stride(0), out.stride(1), heads // kv_heads,
         dim ** -0.5 * LOG2E,
         D=dim, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        KEY_BLOCKS=triton.next_power_of_2(triton.cdiv(rows, BLOCK_N)),
         IEEE=q.dtype == torch.float32 or INTERPRETED)
     return out
