@@ -175,6 +175,10 @@ class Engine:
         self.draft = draft
         self.capture = capture
         self._policies: dict[int, target_pb2.SpecPolicy] = {}  # per stream; default: always_speculate
+        # (stream, request mode, batch size) -> the shape its policy gives: looked up for every
+        # decoding sequence every step, built once; cleared when a policy changes or a stream
+        # closes
+        self._shapes: dict[tuple[int, int, int], common_pb2.DraftShape] = {}
         self.totals = SpecCounters()
         self.last_stats = target_pb2.StepStats()
         self._inbox: queue.Queue = queue.Queue()
@@ -360,6 +364,7 @@ class Engine:
             log.info("stream %d speculation policy (max batch, tree size): %s", stream_id,
                      [(e.max_batch_size, e.shape.num_draft_tokens) for e in request.policy.entries])
             self._policies[stream_id] = request.policy
+            self._shapes.clear()
 
     def _admit(self, stream_id: int, admit: target_pb2.Admit) -> None:
         stop_ids = set(admit.stop_token_ids) | (set() if admit.ignore_eos else set(self.limits.eos_ids))
@@ -401,6 +406,7 @@ class Engine:
         for seq in [s for s in self._by_request.values() if s.stream_id == stream_id]:
             self._finish(seq)
         self._policies.pop(stream_id, None)
+        self._shapes.clear()
         stream = self._streams.pop(stream_id, None)
         if stream is not None:
             stream.outbox.put(None)
@@ -493,6 +499,13 @@ class Engine:
     def _shape(self, seq: Sequence, batch_size: int) -> common_pb2.DraftShape:
         if self.draft is None or seq.speculation == common_pb2.SPECULATION_MODE_OFF:
             return NO_SPECULATION
+        key = (seq.stream_id, seq.speculation, batch_size)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._shapes[key] = self._policy_shape(seq, batch_size)
+        return shape
+
+    def _policy_shape(self, seq: Sequence, batch_size: int) -> common_pb2.DraftShape:
         policy = self._policies.get(seq.stream_id)
         if policy is None:
             return self.limits.default_shape

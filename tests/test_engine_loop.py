@@ -465,3 +465,28 @@ def test_a_trees_mask_is_built_once_per_shape():
     assert torch.equal(tree_mask(chain), ancestor_mask(list(chain)))
     assert torch.equal(tree_mask(branch), ancestor_mask(list(branch)))
     assert not torch.equal(tree_mask(chain), tree_mask(branch))
+
+
+def test_each_step_takes_the_shape_its_batch_size_is_given():
+    """A stream's policy speculates at batch 1 and not above: two requests decode together
+    without a tree, then the longer one alone with one, step by step (the engine keeps each
+    stream's shapes per batch size, built once, and drops them when the policy changes)."""
+    draft = ChainDraft()
+    with running_engine(NullRunner(), PagePool(8), draft, CHAIN) as engine:
+        stream, outbox = engine.open_stream()
+        engine.submit(stream, target_pb2.ServeRequest(policy=target_pb2.SpecPolicy(entries=[
+            target_pb2.SpecPolicy.Entry(max_batch_size=1, shape=CHAIN),
+            target_pb2.SpecPolicy.Entry(max_batch_size=8, shape=common_pb2.DraftShape())])))
+        for request_id, new_tokens in ((1, 12), (2, 4)):
+            engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
+                request_id=request_id, prompt_ids=[3, 1, 4], max_new_tokens=new_tokens,
+                ignore_eos=True, speculation=common_pb2.SPECULATION_MODE_AUTO)))
+        steps, finished = {}, 0
+        while finished < 2:
+            event = outbox.get(timeout=10)
+            steps[event.stats.step] = event.stats
+            finished += sum(bool(d.finish_reason) for d in event.deltas)
+    decoding = [(s.batch_size, s.speculated) for _, s in sorted(steps.items()) if s.batch_size]
+    assert (2, False) in decoding and decoding[-1] == (1, True), decoding
+    assert all(speculated == (batch == 1) for batch, speculated in decoding), decoding
+    assert {len(request.seqs) for _, request in draft.sent} == {1}  # only the lone request's
