@@ -222,9 +222,28 @@ def describe_machine(device: str, dtype: str, started_here: bool) -> dict[str, A
 
 
 def speculated_share(stats: RunStats) -> float:
-    """Share of decode steps that speculated."""
-    decode = [s for s in stats.steps if s.prefill_tokens == 0 and s.batch_size]
+    """Share of the steps with decoding sequences that speculated, mixed ones included (before
+    session 26, decode-only steps: mostly a run's draining tail, see mean_decode_batch)."""
+    decode = [s for s in stats.steps if s.batch_size]
     return sum(s.speculated for s in decode) / len(decode) if decode else 0.0
+
+
+def steady_tokens_per_s(stats: RunStats) -> float:
+    """Committed decode tokens per second from the run's first decode step to its last step
+    that prefilled a prompt: while every stream is decoding or on its way to its next
+    request. After the last prompt arrives a closed loop of fixed size drains, and a mode
+    whose requests end one by one (speculation) drains over many steps at small batches
+    where plain decoding's wave ends at once (docs/benchmarks.md, twenty-second part); real
+    traffic keeps a queue instead. 0.0 when the run has no such window. (A prompt's first
+    token, from its prefill, is not counted: the same count per request in every mode.)"""
+    ordered = sorted(stats.steps, key=lambda s: s.step)
+    first = next((i for i, s in enumerate(ordered) if s.batch_size), None)
+    last = max((i for i, s in enumerate(ordered) if s.prefill_tokens), default=None)
+    if first is None or last is None or last < first:
+        return 0.0
+    window = ordered[first:last + 1]
+    seconds = sum(s.period_s for s in window)
+    return sum(s.committed_tokens for s in window) / seconds if seconds else 0.0
 
 
 def budget_shares(stats: RunStats) -> dict[str, float]:
@@ -515,7 +534,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         runs: dict[str, tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None] = {
             "OFF": None, "ON": SHAPES[args.shape], "chain": SHAPES["chain3"], "static": static,
             "adaptive": adaptive}
-        keys = ["tokens_per_s", "wall_s", "accepted_per_verify_step", "speculated_step_share",
+        keys = ["tokens_per_s", "steady_tokens_per_s", "wall_s", "accepted_per_verify_step",
+                "speculated_step_share",
                 "mean_decode_batch", "mixed_step_share", "mixed_step_ms", "decode_step_ms",
                 "eager_step_share", "budget_step_shares"] + (
                     ["draft_trees", "replay_misses"] if draft else [])
@@ -551,6 +571,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                 stats = run_target(stub, prompts, lengths, runs[mode], concurrency)
                 write_trace(args.step_trace, concurrency, mode, repeat, stats.steps)
                 entry["tokens_per_s"][mode].append(stats.tokens_per_s)
+                entry["steady_tokens_per_s"][mode].append(steady_tokens_per_s(stats))
                 entry["wall_s"][mode].append(stats.wall_s)
                 entry["accepted_per_verify_step"][mode].append(stats.mean_accepted)
                 entry["speculated_step_share"][mode].append(speculated_share(stats))
@@ -572,7 +593,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                 done += 1
                 print(f"[{done}/{total}] concurrency {concurrency}, {mode}, run "
                       f"{repeat + 1}/{args.repeats}: {stats.tokens_per_s:.1f} tok/s "
-                      f"({stats.wall_s:.1f} s, {speculated_share(stats):.0%} of steps "
+                      f"(steady {steady_tokens_per_s(stats):.1f}; {stats.wall_s:.1f} s, "
+                      f"{speculated_share(stats):.0%} of steps "
                       f"speculated, mean batch {mean_decode_batch(stats):.1f}, {mixed_share:.0%} "
                       f"of steps mixed at {mixed_ms:.1f} ms against {decode_ms:.1f} ms, "
                       f"{eager_share(stats):.0%} eager, budgets "

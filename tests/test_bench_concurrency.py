@@ -215,6 +215,7 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         assert entry["budget_step_shares"]["OFF"] == [{"0": 1.0}]
         assert entry["budget_step_shares"]["ON"] == [{"8": 1.0}]  # (every step speculated)
         assert set(entry["budget_step_shares"]["adaptive"][0]) <= {"0", "3", "8"}
+        assert all(rates[0] > 0 for rates in entry["steady_tokens_per_s"].values())
         work = sum(bc.request_lengths(entry["num_prompts"], 8, 0.5))  # the spread lengths
         for mode, rates in entry["tokens_per_s"].items():
             assert round(rates[0] * entry["wall_s"][mode][0]) == work, mode
@@ -259,17 +260,27 @@ def test_request_lengths_spread_the_work_the_same_way_for_every_mode():
         bc.main(["--new-tokens-spread", "1.5"])
 
 
-def test_the_mean_decode_batch_counts_mixed_steps_and_not_prompt_only_ones():
+def test_run_figures_count_mixed_steps_and_time_the_steady_state_apart():
     """Under speculation most steps also prefill: a mean over decode-only steps was mostly one
-    of the run's draining last steps (45.6 against about 57 at 64 streams on the H200)."""
+    of the run's draining last steps (45.6 against about 57 at 64 streams on the H200). The
+    steady rate leaves out the steps before the first decode and after the last prefill."""
     from bench_speculation import RunStats
 
     from splitspec.v1 import target_pb2
 
-    def step(batch: int, prompt_tokens: int) -> target_pb2.StepStats:
-        return target_pb2.StepStats(batch_size=batch, prefill_tokens=prompt_tokens)
+    def step(n: int, batch: int, prompt_tokens: int, committed: int = 0, period: float = 0.01,
+             speculated: bool = False) -> target_pb2.StepStats:
+        return target_pb2.StepStats(step=n, batch_size=batch, prefill_tokens=prompt_tokens,
+                                    committed_tokens=committed, period_s=period,
+                                    speculated=speculated)
 
-    stats = RunStats(steps=[step(0, 640), step(60, 256), step(58, 128), step(64, 0),
-                            step(10, 0)])
-    assert bc.mean_decode_batch(stats) == (60 + 58 + 64 + 10) / 4
-    assert bc.mean_decode_batch(RunStats(steps=[step(0, 64)])) == 0.0
+    # out of order, as events may carry them: a prompt-only step, two decode steps, a mixed
+    # one, then the drain
+    stats = RunStats(steps=[step(4, 1, 64, 1, 0.02), step(1, 0, 640, 0, 0.5),
+                            step(2, 60, 0, 60, speculated=True), step(3, 58, 0, 58),
+                            step(5, 1, 0, 1, 0.3), step(6, 1, 0, 1, 0.3)])
+    assert bc.mean_decode_batch(stats) == (60 + 58 + 1 + 1 + 1) / 5
+    assert bc.speculated_share(stats) == 1 / 5
+    assert bc.steady_tokens_per_s(stats) == pytest.approx((60 + 58 + 1) / 0.04)
+    assert bc.mean_decode_batch(RunStats(steps=[step(1, 0, 64)])) == 0.0
+    assert bc.steady_tokens_per_s(RunStats(steps=[step(1, 0, 64), step(2, 1, 0, 1)])) == 0.0
