@@ -6,10 +6,11 @@ prompt that begins at row s sees rows s..i. Many prompts are packed one after
 another, and each row carries its prompt's first row (``starts``), so the
 kernel's grid depends on the packed length alone: one program per block of
 rows and query head, looping over key blocks from its rows' earliest start to
-its last row (flash attention's running softmax; the loop's bounds are loaded and
-computed in the kernel, so no prompt length compiles a variant of its own). Nothing is read from the KV
-cache and no mask tensor is built, so the same launch serves every mix of
-prompt lengths and can be captured once per padded length. Reference:
+its last row (flash attention's running softmax; the loop's bounds are loaded
+and computed in the kernel, so no prompt length compiles a variant of its own).
+Nothing is read from the KV cache and no mask tensor is built, so the same
+launch serves every mix of prompt lengths and can be captured once per padded
+length. Reference:
 ``prompt_attention_reference`` in splitspec/attention/prompts.py
 (tests/kernel_cases.py).
 """
