@@ -2,7 +2,7 @@
 # One device call's worth of checks on the GPU machine, from the repository root, with
 # ".whl" and ".out" carried (bench/device/setup.sh):
 #     bash bench/device/gpu_check.sh [RUNS]
-# The engine's and kernels' GPU tests, then (only if they pass) RUNS (default 3) runs of
+# The engine's, kernels' and compile watch's GPU tests, then (only if they pass) RUNS (default 3) runs of
 # bench_step_costs.py at the 8B shape; logs and each run's JSON go to $OUT, and the kernel
 # caches to $OUT/fiws.txz (copy it to .out/ here for the next call). On a fresh machine the
 # first pass compiles flashinfer's and Triton's kernels: about 8 minutes for the tests
@@ -14,7 +14,7 @@ set -uo pipefail
 runs=${1:-3}
 source bench/device/setup.sh
 timeout 540 python3 -u -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_engine.py \
-    tests/test_kernels.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_kernels.py tests/test_compile_watch.py > "$OUT/gpu_tests.log" 2>&1
 status=$?
 tail -3 "$OUT/gpu_tests.log"
 if [ "$status" -eq 0 ]; then
