@@ -2,8 +2,9 @@
 # One device call's worth of checks on the GPU machine, from the repository root, with
 # ".whl" and ".out" carried (bench/device/setup.sh):
 #     bash bench/device/gpu_check.sh [RUNS]
-# The engine's, kernels' and compile watch's GPU tests, then (only if they pass) RUNS (default 3) runs of
-# bench_step_costs.py at the 8B shape; logs and each run's JSON go to $OUT, and the kernel
+# The engine's, kernels' and compile watch's GPU tests, then (only if they pass) RUNS
+# (default 3) runs of bench_step_costs.py at the 8B shape; logs and each run's JSON go to
+# $OUT, and the kernel
 # caches to $OUT/fiws.txz (copy it to .out/ here for the next call). On a fresh machine the
 # first pass compiles flashinfer's and Triton's kernels: about 8 minutes for the tests
 # without carried caches, so keep the call's limit at 600 s. A change to a Triton kernel
