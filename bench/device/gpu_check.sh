@@ -4,9 +4,8 @@
 #     bash bench/device/gpu_check.sh [RUNS]
 # The engine's, kernels' and compile watch's GPU tests, then (only if they pass) RUNS
 # (default 3) runs of bench_step_costs.py at the 8B shape; logs and each run's JSON go to
-# $OUT, and the kernel
-# caches to $OUT/fiws.txz (copy it to .out/ here for the next call). On a fresh machine the
-# first pass compiles flashinfer's and Triton's kernels: about 8 minutes for the tests
+# $OUT, and the kernel caches to $OUT/fiws.txz (copy it to .out/ here for the next call).
+# On a fresh machine the first pass compiles flashinfer's and Triton's kernels: about 8 minutes for the tests
 # without carried caches, so keep the call's limit at 600 s. A change to a Triton kernel
 # misses the carried cache for all its variants: the tests then took 424 s (session 17),
 # so run them alone first (RUNS 0) and the step costs in a second call. Each step-cost run
