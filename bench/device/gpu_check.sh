@@ -5,11 +5,11 @@
 # The engine's, kernels' and compile watch's GPU tests, then (only if they pass) RUNS
 # (default 3) runs of bench_step_costs.py at the 8B shape; logs and each run's JSON go to
 # $OUT, and the kernel caches to $OUT/fiws.txz (copy it to .out/ here for the next call).
-# On a fresh machine the first pass compiles flashinfer's and Triton's kernels: about 8 minutes for the tests
-# without carried caches, so keep the call's limit at 600 s. A change to a Triton kernel
-# misses the carried cache for all its variants: the tests then took 424 s (session 17),
-# so run them alone first (RUNS 0) and the step costs in a second call. Each step-cost run
-# takes about 35 s with warm caches, up to about 3 minutes compiling.
+# On a fresh machine the first pass compiles flashinfer's and Triton's kernels: about 8
+# minutes for the tests without carried caches, so keep the call's limit at 600 s. A change
+# to a Triton kernel misses the carried cache for all its variants: the tests then took
+# 424 s (session 17), so run them alone first (RUNS 0) and the step costs in a second call.
+# Each step-cost run takes about 35 s with warm caches, up to about 3 minutes compiling.
 set -uo pipefail
 runs=${1:-3}
 source bench/device/setup.sh
