@@ -182,8 +182,8 @@ class KVCache:
         On CUDA one Triton kernel does the K/V (splitspec/kernels/kv_compact.py); elsewhere
         torch does. Both read a move's source before any later move writes it, so moves down
         over each other's sources in order (an accepted path's) are safe. The kernel moves
-        16 at a time, so no move may read a slot that a move of an earlier 16 writes (its
-        module says why a step's compaction never does).
+        them in chunks (``kv_compact.CHUNK``), so no move may read a slot that a move of an
+        earlier chunk writes (its module says why a step's compaction never does).
         """
         if self._compact_kv is not None:
             self._compact_kv(self.data, src, dst)
