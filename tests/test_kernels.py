@@ -158,8 +158,9 @@ def test_gemv_linear_routes_by_rows_and_configs(monkeypatch):
 
 
 def test_few_rows_linear_routes_only_the_shapes_row_configs_lists(monkeypatch):
-    """linear: 2 to 64 rows to few_rows where ROW_CONFIGS lists (rows padded, N, K) and x's
-    columns are contiguous; other shapes, row counts, and 65 rows or more to torch."""
+    """linear: 2 to 64 rows of bfloat16 (or float16) to few_rows where ROW_CONFIGS lists
+    (rows padded, N, K) and x's columns are contiguous; other shapes, row counts, 65 rows or
+    more, and float32 (whose tiles would not fit the configs' shared memory) to torch."""
     from splitspec.kernels import gemv as module
 
     seen = []
@@ -167,11 +168,16 @@ def test_few_rows_linear_routes_only_the_shapes_row_configs_lists(monkeypatch):
                         lambda x, w, config: seen.append((x.shape[0], config)) or x @ w.T)
     listed = module.GemvConfig(32, 64, 4, 4)
     monkeypatch.setattr(module, "ROW_CONFIGS", {(16, 8, 16): listed})
-    w = torch.randn(8, 16)
-    for x in (torch.randn(3, 16), torch.randn(2, 8, 16)[:, 0, :], torch.randn(1, 5, 16),
-              torch.randn(20, 16), torch.randn(3, 32)[:, ::2], torch.randn(65, 16)):
+    bf16 = torch.bfloat16
+    w = torch.randn(8, 16, dtype=bf16)
+    for x in (torch.randn(3, 16, dtype=bf16), torch.randn(2, 8, 16, dtype=bf16)[:, 0, :],
+              torch.randn(1, 5, 16, dtype=bf16), torch.randn(20, 16, dtype=bf16),
+              torch.randn(3, 32, dtype=bf16)[:, ::2], torch.randn(65, 16, dtype=bf16)):
         torch.testing.assert_close(module.linear(x, w), x @ w.T)
-    assert module.linear(torch.randn(4, 16), torch.randn(4, 16)).shape == (4, 4)
+    assert module.linear(torch.randn(4, 16, dtype=bf16), torch.randn(4, 16, dtype=bf16)
+                         ).shape == (4, 4)
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(module.linear(x, w.float()), x @ w.float().T)
     # listed: 3 rows, 2 strided rows, 5 rows of a [1, 5, K]; not: 20 rows (pad 32), columns
-    # strided, 65 rows, another N
+    # strided, 65 rows, another N, float32
     assert seen == [(3, listed), (2, listed), (5, listed)]

@@ -160,8 +160,11 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT) -> torc
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``torch.nn.functional.linear(x, w)`` (no bias): one row of x through :func:`gemv` (with
-    W's config from CONFIGS; None there: torch), 2 to MAX_ROWS rows through :func:`few_rows`
-    where ROW_CONFIGS lists their shape, everything else through torch."""
+    W's config from CONFIGS; None there: torch), 2 to MAX_ROWS rows of 2-byte floats through
+    :func:`few_rows` where ROW_CONFIGS lists their shape, everything else through torch.
+    ROW_CONFIGS were measured in bfloat16: in float32 each pipeline stage's tiles take twice
+    the shared memory, and the qkv configs' would need 240 KiB, more than a Hopper GPU's
+    227 KiB (tests/kernel_variants.py)."""
     n, k = w.shape
     if x.dtype == w.dtype and w.stride(1) == 1 and x.shape[-1] == k:
         rows = x.numel() // k
@@ -169,7 +172,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             config = CONFIGS.get((n, k), DEFAULT)
             if config is not None:
                 return gemv(x, w, config)
-        elif 1 < rows <= MAX_ROWS and x.stride(-1) == 1:
+        elif 1 < rows <= MAX_ROWS and x.stride(-1) == 1 and x.element_size() == 2:
             row_config = ROW_CONFIGS.get((padded_rows(rows), n, k))
             if row_config is not None:
                 flat = x.reshape(rows, k)  # a view where x's rows allow one
