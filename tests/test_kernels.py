@@ -36,6 +36,20 @@ def test_kernels_match_torch_in_the_interpreter(cases):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
+    """Every kernel of splitspec/kernels compiles for sm_90 through its wrapper at the
+    built-in and the 8B shape's sizes, float32 and bfloat16, each variant within the GPU's
+    shared memory (tests/kernel_variants.py; in a process of its own: it stands in for the
+    GPU's driver). The float32 rows that ROW_CONFIGS' bfloat16 tiles would overflow are the
+    case it found."""
+    done = subprocess.run([sys.executable, "-m", "tests.kernel_variants"], cwd=REPO,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path),
+                               "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "never compiled: none; over 232448 B of shared memory: none" in done.stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
                                    "run_paged_decode", "run_gemv", "run_few_rows",
