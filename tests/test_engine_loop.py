@@ -490,3 +490,21 @@ def test_each_step_takes_the_shape_its_batch_size_is_given():
     assert (2, False) in decoding and decoding[-1] == (1, True), decoding
     assert all(speculated == (batch == 1) for batch, speculated in decoding), decoding
     assert {len(request.seqs) for _, request in draft.sent} == {1}  # only the lone request's
+
+
+def test_a_closed_streams_draft_shapes_go_with_it():
+    """The draft shapes the engine keeps for a stream (per request mode and batch size) are
+    dropped when the stream closes: stream ids are never reused, so a gateway that reconnects
+    again and again would otherwise leave them behind for good."""
+    with running_engine(NullRunner(), PagePool(8), ChainDraft(), CHAIN) as engine:
+        stream, outbox = engine.open_stream()
+        engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
+            request_id=1, prompt_ids=[3, 1, 4], max_new_tokens=4, ignore_eos=True,
+            speculation=common_pb2.SPECULATION_MODE_AUTO)))
+        while not any(d.finish_reason for d in outbox.get(timeout=10).deltas):
+            pass
+        kept = engine.call(lambda: dict(engine._shapes))
+        engine.close_stream(stream)
+        after = engine.call(lambda: dict(engine._shapes))  # (the inbox is first in, first out)
+    assert kept == {(stream, common_pb2.SPECULATION_MODE_AUTO, 1): CHAIN}, kept
+    assert after == {}
