@@ -135,8 +135,8 @@ def _calls(shape: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], objec
     # does (one row: gemv; 2-64 rows of a shape ROW_CONFIGS lists: few_rows; else torch)
     qkv_rows = (heads + 2 * kv_heads) * dim
     projections = {(qkv_rows, hidden), (hidden, heads * dim), (2 * inter, hidden),
-                   (hidden, inter), (vocab, hidden),  # the target's
-                   (qkv_rows, 2 * hidden), (hidden, 3 * hidden), (draft_vocab, hidden)}  # the head's
+                   (hidden, inter), (vocab, hidden),  # the target's; then the head's own:
+                   (qkv_rows, 2 * hidden), (hidden, 3 * hidden), (draft_vocab, hidden)}
     for n, k in sorted(projections):
         w = _empty(n, k, dtype=dtype)
         for rows in (1, 4, 9, 16, 33):
@@ -147,7 +147,8 @@ def _calls(shape: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], objec
 
 def compile_all(report: Callable[[str], None] = print) -> dict[str, int]:
     """Compile every call's kernels for TARGET; returns each compiled variant's shared
-    memory in bytes, by kernel and constexprs. Raises on the first that fails."""
+    memory in bytes, by kernel and constexprs (variants that differ only in how Triton
+    specialised their other arguments share an entry). Raises on the first that fails."""
     if not kernels():
         raise RuntimeError("no compiled kernels to build: Triton's interpreter is on "
                            "(TRITON_INTERPRET=1), so @triton.jit made none")

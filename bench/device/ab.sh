@@ -5,9 +5,9 @@
 #     bash bench/device/ab.sh [RUNS]      (carry ".whl" and ".out"; limit 600 s)
 # First bench_decode_attention.py's Triton kernel at batch 1 and 8, 512 and 2048 keys, for
 # each (ATTN=0 skips it); then RUNS (default 2) rounds of bench_step_costs.py (with
-# COSTS_FLAGS, e.g. "--shape builtin"), each tree in name order, head last. Everything printed goes to $OUT/ab.log; the JSON to
-# $OUT/attn_NAME.json and $OUT/costs.json (each run's, in order); the kernel caches to
-# $OUT/fiws.txz. The first
+# COSTS_FLAGS, e.g. "--shape builtin"), each tree in name order, head last. Everything
+# printed goes to $OUT/ab.log; the JSON to $OUT/attn_NAME.json and $OUT/costs.json (each
+# run's, in order); the kernel caches to $OUT/fiws.txz. The first
 # step-cost run of a commit whose kernels are not in the carried cache compiles them (up
 # to about 3 minutes). With PROFILE=1, one more step-cost run each under torch.profiler
 # (--profile: per-kernel tables of 5 calls of each step, kernel counts included), packed
@@ -48,7 +48,8 @@ fi
 mkdir -p /tmp/costs
 for i in $(seq 1 "$runs"); do
     for which in "${trees[@]}"; do
-        bench "$which" 240 bench_step_costs.py ${COSTS_FLAGS:-} --out-json "/tmp/costs/${i}_$which.json"
+        bench "$which" 240 bench_step_costs.py ${COSTS_FLAGS:-} \
+            --out-json "/tmp/costs/${i}_$which.json"
     done
 done
 if [ "${PROFILE:-0}" = 1 ] || [ "${TRACE:-0}" = 1 ]; then

@@ -26,12 +26,15 @@ for dir in .out/ab/*/; do
             "$dir/splitspec/builtin/models"
     fi
 done
-if [ "${#trees[@]}" -eq 0 ]; then echo "nothing in .out/ab: run bench/device/ab_prepare.sh REV here first"; exit 2; fi
+if [ "${#trees[@]}" -eq 0 ]; then
+    echo "nothing in .out/ab: run bench/device/ab_prepare.sh REV here first"
+    exit 2
+fi
 trees+=(head)
 for i in $(seq 1 "$rounds"); do
     for which in "${trees[@]}"; do
-        echo "== round $i, $which ($(cat "${src[$which]}/REV" 2>/dev/null || echo the working tree))" \
-            | tee -a "$OUT/ab_spec.log"
+        rev=$(cat "${src[$which]}/REV" 2>/dev/null || echo the working tree)
+        echo "== round $i, $which ($rev)" | tee -a "$OUT/ab_spec.log"
         (cd "${src[$which]}/bench" && PYTHONPATH="$root/.site:${src[$which]}" timeout 240 \
             python3 -u bench_speculation.py --start --draft-kind eagle3 --device cuda \
             --dtype bfloat16 --prompts heldout --num-prompts 40 --max-new-tokens 128 \
