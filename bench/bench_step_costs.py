@@ -284,14 +284,16 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
     tokens = torch.randint(0, layer.vocab_size, (args.context,), generator=generator).tolist()
     tree = TreeShape(args.tree_nodes, args.topk, args.depth)
     drafter.draft(session, [warmup_inputs(model, 1, 0, tokens, TreeShape(0, 0, 0), generator)])
-    where = [len(tokens)]
+    # Each call's input, built before the timing: one more committed token with its features,
+    # encoded as the target sends them (drawing and encoding them is the target's work, and
+    # took about 45 us of each timed call on the H200 when it was done inside it).
+    items = iter([warmup_inputs(model, 1, n, [n % layer.vocab_size], tree, generator)
+                  for n in range(len(tokens), len(tokens) + calls)])
 
     def step() -> None:  # one more committed token (with its features), then a tree
-        item = warmup_inputs(model, 1, where[0], [where[0] % layer.vocab_size], tree, generator)
-        (result,) = drafter.draft(session, [item])
+        (result,) = drafter.draft(session, [next(items)])
         if result.error or result.tree.num_nodes != args.tree_nodes:
             raise RuntimeError(f"drafting failed: {result.error or result.tree}")
-        where[0] += 1
 
     times = timed(step, args.warmup, args.iters, args.device)
     profiled(step, PROFILE_CALLS, args.profile, "draft", args.device)
