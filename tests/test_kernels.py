@@ -42,6 +42,10 @@ def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
     shared memory (tests/kernel_variants.py; in a process of its own: it stands in for the
     GPU's driver). The float32 rows that ROW_CONFIGS' bfloat16 tiles would overflow are the
     case it found."""
+    from triton.runtime import driver
+
+    if not hasattr(driver, "_active"):  # the stand-in is written against Triton 3.9's
+        pytest.skip("this Triton's driver config has no _active: no stand-in driver for it")
     done = subprocess.run([sys.executable, "-m", "tests.kernel_variants"], cwd=REPO,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path),
