@@ -23,11 +23,15 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))  # a script folder
+from bench_step_costs import configs
 
 from splitspec.attention.decode_table import block_keys, splits_for
 from splitspec.kernels import (
@@ -39,6 +43,7 @@ from splitspec.kernels import (
     top_logprobs,
     tree_attention,
 )
+from splitspec.model.config import Eagle3Config, LlamaConfig
 
 TARGET = GPUTarget("cuda", 90, 32)
 SHARED_BYTES = 232448  # the most shared memory one block may use on sm_90 (227 KiB)
@@ -46,11 +51,7 @@ PROCESSORS = 132       # an H100/H200's SMs: the decode kernels' split count fol
 PAGE = 16
 KERNEL_MODULES = (fused_ops, gemv, kv_compact, paged_decode, prompt_attention, top_logprobs,
                   tree_attention)
-# (hidden, heads, KV heads, head dim, intermediate, layers, vocab, the EAGLE-3 head's vocab)
-SHAPES = {
-    "builtin": (256, 4, 2, 64, 512, 6, 2048, 1024),
-    "llama-3.1-8b": (4096, 32, 8, 128, 14336, 32, 128256, 32000),
-}
+SHAPES = {"builtin": "builtin", "llama-3.1-8b": "8b"}  # bench_step_costs.py's shapes, by name
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -87,8 +88,13 @@ def _empty(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 def _calls(shape: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], object]]]:
     """(what, call) for each wrapper call: the sizes the target's and the draft's steps
-    give them (decode and verify batches, the tree search's levels, prompts)."""
-    hidden, heads, kv_heads, dim, inter, layers, vocab, draft_vocab = SHAPES[shape]
+    give them (decode and verify batches, the tree search's levels, prompts), for the
+    target and EAGLE-3 head of bench_step_costs.py's ``shape``."""
+    target_hf, head_hf = configs(SHAPES[shape])
+    target, head = LlamaConfig.from_hf(target_hf), Eagle3Config.from_hf(head_hf)
+    hidden, heads, kv_heads = target.hidden_size, target.num_heads, target.num_kv_heads
+    dim, inter, layers, vocab = (target.head_dim, target.intermediate_size, target.num_layers,
+                                 target.vocab_size)
     cache = _empty(layers, 64, 2, PAGE, kv_heads, dim, dtype=dtype)
     layer = cache[0]
     calls: list[tuple[str, Callable[[], object]]] = []
@@ -128,15 +134,18 @@ def _calls(shape: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], objec
         calls.append((f"tree_attention width={width} seen={seen}", partial(
             tree_attention.tree_attention, q, keys, keys, allowed, q, _empty(width, heads), 1.0)))
     for rows, k in ((1, 1), (4, 4), (16, 4), (1, 8)):
-        for columns in (draft_vocab, vocab):
+        for columns in (head.draft_vocab_size, vocab):
             calls.append((f"top_logprobs rows={rows} k={k} vocab={columns}", partial(
                 top_logprobs.top_logprobs_kernels, _empty(rows, columns, dtype=dtype), k)))
     # the projections through gemv.linear, which picks the kernel and its config as serving
     # does (one row: gemv; 2-64 rows of a shape ROW_CONFIGS lists: few_rows; else torch)
-    qkv_rows = (heads + 2 * kv_heads) * dim
-    projections = {(qkv_rows, hidden), (hidden, heads * dim), (2 * inter, hidden),
-                   (hidden, inter), (vocab, hidden),  # the target's; then the head's own:
-                   (qkv_rows, 2 * hidden), (hidden, 3 * hidden), (draft_vocab, hidden)}
+    own = head.layer
+    projections = {((heads + 2 * kv_heads) * dim, hidden), (hidden, heads * dim),
+                   (2 * inter, hidden), (hidden, inter), (vocab, hidden),  # the target's
+                   ((own.num_heads + 2 * own.num_kv_heads) * own.head_dim,
+                    2 * own.hidden_size),  # the head's own: its qkv over 2 H, fc, lm_head
+                   (own.hidden_size, 3 * head.target_hidden_size),
+                   (head.draft_vocab_size, own.hidden_size)}
     for n, k in sorted(projections):
         w = _empty(n, k, dtype=dtype)
         for rows in (1, 4, 9, 16, 33):
