@@ -67,11 +67,6 @@ class _StandInDriver:
     def get_current_target(self) -> GPUTarget:
         return TARGET
 
-    def get_active_torch_device(self) -> torch.device:
-        return torch.device("meta")
-
-    def is_active(self) -> bool:
-        return True
 
 
 def kernels() -> set[str]:
