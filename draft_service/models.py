@@ -114,6 +114,7 @@ class DraftModel(ABC):
     dtype: torch.dtype
     device: torch.device
     module: torch.nn.Module  # the loaded weights
+    d2t: torch.Tensor | None = None  # target id = draft id + d2t[draft id]; None: the same ids
 
     @property
     def num_parameters(self) -> int:
@@ -141,9 +142,9 @@ class DraftModel(ABC):
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [T, V_draft] in float32."""
 
-    @abstractmethod
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target-vocabulary ids."""
+        return draft_ids if self.d2t is None else draft_ids + self.d2t[draft_ids]
 
     def top_logprobs(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The k likeliest draft-vocabulary tokens of each state row: log-probabilities
@@ -180,9 +181,6 @@ class StandaloneDraft(DraftModel):
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(states)
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids
 
 
 class Eagle3Draft(DraftModel):
@@ -227,8 +225,9 @@ class Eagle3Draft(DraftModel):
     def top_logprobs(self, states: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.head.top_logprobs(states, k)
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return self.head.to_target_ids(draft_ids)
+    @property
+    def d2t(self) -> torch.Tensor:  # the head's own buffer, wherever it was moved
+        return self.head.d2t
 
 
 def _has_tensor(model_dir: Path, name: str) -> bool:

@@ -4,9 +4,10 @@ The host-driven form (drafter.py's ``_grow``, still used for sampled trees)
 reads every level's top-k back, keeps the candidates in Python and builds each
 level's attention mask and page plan on the host: about 3 ms a level on a GPU,
 almost all of it host time. Here a level is a fixed sequence of tensor
-operations on [B, k] frontiers, and the host sees the candidates once, at the
-end, to pick each tree (:meth:`_Candidates.best_tree`, the same rule as the
-host form).
+operations on [B, k] frontiers (on CUDA, what follows each level's top k is one
+kernel: splitspec/kernels/tree_level.py), and the host sees the candidates once,
+at the end, to pick each tree (:meth:`_Candidates.best_tree`, the same rule as
+the host form).
 
 A frontier node at depth j of sequence b attends to
 
@@ -49,6 +50,7 @@ from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAtt
 from splitspec.attention.cascade import PrefixAttention, merge_with_prefix
 from splitspec.attention.decode_table import TablePrefix, scratch_floats
 from splitspec.attention.flashinfer_backend import FlashInferBackend
+from splitspec.kernels import HAS_TRITON, tree_level_torch
 from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.staging import HostTwin
@@ -233,7 +235,8 @@ class TreeSearch:
     Depth 1: the top-k of each root's log-probs. Each later level: ONE forward
     over the B * k frontier nodes, each node's top-k children (score = the
     parent's score + the child's log-prob, in float64 as on the host), and the
-    best k of the k * k children become the next frontier, in score order.
+    best k of the k * k children become the next frontier, in score order
+    (equal scores in candidate order).
 
     After :meth:`capture` (CUDA with flashinfer), a batch of a captured shape
     and at most the largest bucket replays the graph of the smallest bucket that
@@ -404,40 +407,23 @@ class TreeSearch:
         [B, k, T] holds the columns before it that every row sees. Returns [3, B, C] float64:
         every candidate's target id, parent (-1 for depth 1) and score."""
         model, b, device = self.model, roots.shape[0], roots.device
-        top_lp, top_ids = model.top_logprobs(roots, k)
-        tokens = [model.to_target_ids(top_ids)]                                   # [B, k]
-        scores = [top_lp.double()]
-        parents = [torch.full((b, k), -1, dtype=torch.int64, device=device)]
-        if steps > 1:
-            eye = torch.eye(k, dtype=torch.bool, device=device)
-            front_tok, front_score = tokens[0], scores[0]
-            front_cand = torch.arange(k, device=device).expand(b, k)
-            parent_states = roots[:, None].expand(b, k, -1).reshape(b * k, -1)  # [B * k, X]
-            for level in range(steps - 1):
-                start = offset + level * k
-                allowed[:, :, start:start + k] = eye
-                meta = NodeMetadata(torch.empty(0), prefix, scratch, allowed, start, rows)
-                ctx = AttentionContext(self.attention, meta, self.cache)
-                states = model.forward_nodes(front_tok.reshape(-1), parent_states,
-                                             last + (level + 1), ctx)             # [B * k, X]
-                lp, ids = model.top_logprobs(states, k)
-                first = k + level * k * k  # candidate index of this level's first child
-                child_score = (front_score[:, :, None] + lp.double().view(b, k, k)).view(b, k * k)
-                child_tok = model.to_target_ids(ids).view(b, k * k)
-                tokens.append(child_tok)
-                scores.append(child_score)
-                parents.append(front_cand[:, :, None].expand(b, k, k).reshape(b, k * k))
-                if level == steps - 2:
-                    break
-                front_score, best = child_score.topk(k, dim=-1)                   # sorted
-                row = best // k  # the frontier row each new frontier node descends from
-                front_tok = child_tok.gather(1, best)
-                front_cand = first + best
-                parent_states = states.view(b, k, -1).gather(
-                    1, row[:, :, None].expand(b, k, states.shape[-1])).reshape(b * k, -1)
-                allowed = allowed.gather(1, row[:, :, None].expand(b, k, allowed.shape[2]))
-        return torch.stack([torch.cat(tokens, 1).double(), torch.cat(parents, 1).double(),
-                            torch.cat(scores, 1)])
+        packed = torch.empty(3, b, k + (steps - 1) * k * k, dtype=torch.float64, device=device)
+        level_step = tree_level_torch
+        if device.type == "cuda" and HAS_TRITON:  # one kernel a level
+            from splitspec.kernels.tree_level import tree_level as level_step
+        lp, ids = model.top_logprobs(roots, k)
+        front = level_step(lp, ids, model.d2t, None, packed, 0, steps > 1, roots, allowed, offset)
+        for level in range(steps - 1):
+            start = offset + level * k  # this level's scratch columns
+            meta = NodeMetadata(torch.empty(0), prefix, scratch, front.allowed, start, rows)
+            ctx = AttentionContext(self.attention, meta, self.cache)
+            states = model.forward_nodes(front.tokens.reshape(-1), front.states,
+                                         last + (level + 1), ctx)                 # [B * k, X]
+            lp, ids = model.top_logprobs(states, k)
+            # this level's children are candidates k + level * k * k on
+            front = level_step(lp, ids, model.d2t, front, packed, k + level * k * k,
+                               level < steps - 2, states, front.allowed, start + k)
+        return packed
 
 
 def _capture(device: torch.device, pool: object, work: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:

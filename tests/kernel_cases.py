@@ -543,3 +543,67 @@ def _wired_logits(device: str) -> list[list[torch.Tensor]]:
                         outputs += [out.logits, *head.top_logprobs(out.g, 3)]
         results.append(outputs)
     return results
+
+
+def run_tree_level(device: str) -> None:
+    """splitspec.kernels.tree_level's kernel against tree_level_torch: the root's level and
+    later ones, picking a next frontier or not (the last level, a depth-1 tree), topk 1, 3, 4
+    and 5 (25 candidates: the next block), draft ids mapped or not, log-probs in strided rows
+    as the top-k kernels give them, equal scores (candidate order), -inf log-probs, states
+    wider than a copy step and ancestor tables wider than one, float32 and bfloat16 states."""
+    from splitspec.kernels import Frontier, tree_level_torch
+    from splitspec.kernels.tree_level import SEEN_BLOCK, STATES_BLOCK, tree_level
+
+    gen = torch.Generator().manual_seed(5)
+
+    def inputs(b: int, f: int, k: int, x: int, t: int, dtype: torch.dtype, vocab: int):
+        wide = -torch.rand(b * f, k + 3, generator=gen).sort(dim=1, descending=True).values
+        wide = (wide * 4).round() / 4  # a coarse grid: equal log-probs, and equal scores
+        if k > 1:
+            wide[0, k - 1] = float("-inf")
+        lp = wide.to(device)[:, :k]  # rows k + 3 apart
+        ids = torch.randint(0, vocab, (b * f, k + 3), generator=gen).to(device)[:, :k]
+        states = torch.randn(b * f, x, generator=gen).to(dtype).to(device)
+        allowed = (torch.rand(b, k, t, generator=gen) < 0.5).to(device)
+        front = None
+        if f > 1:
+            score = (-torch.rand(b, k, generator=gen) * 2).round().double().to(device)
+            front = Frontier(score, torch.randint(0, vocab, (b, k), generator=gen).to(device),
+                             torch.randint(0, 90, (b, k), generator=gen).to(device),
+                             states, allowed)
+        return lp, ids, front, states, allowed
+
+    x_wide, t_wide = STATES_BLOCK + 37, SEEN_BLOCK + 11
+    cases = [  # (B, root, k, X, T, select, mapped, dtype)
+        (3, True, 4, x_wide, 12, True, True, torch.bfloat16),
+        (3, False, 4, x_wide, t_wide, True, True, torch.bfloat16),
+        (2, False, 4, 40, 20, False, True, torch.float32),
+        (2, True, 4, 40, 0, False, False, torch.float32),
+        (4, False, 1, 64, 6, True, True, torch.float32),
+        (2, False, 3, 48, 15, True, False, torch.bfloat16),
+        (1, False, 5, 32, 25, True, True, torch.float32),
+    ]
+    for b, root, k, x, t, select, mapped, dtype in cases:
+        f = 1 if root else k
+        vocab = 50
+        d2t = torch.randint(0, 30, (vocab,), generator=gen).to(device) if mapped else None
+        lp, ids, front, states, allowed = inputs(b, f, k, x, t, dtype, vocab)
+        width, col, eye_col = 100, 7, max(t - k - 2, 0) if select else 0
+        got_packed, want_packed = (torch.full((3, b, width), 12345.0, dtype=torch.float64,
+                                              device=device) for _ in range(2))
+        got = tree_level(lp, ids, d2t, front, got_packed, col, select, states, allowed, eye_col)
+        want = tree_level_torch(lp, ids, d2t, front, want_packed, col, select, states, allowed,
+                                eye_col)
+        what = (b, root, k, x, t, select, mapped, dtype)
+        assert torch.equal(got_packed, want_packed), what
+        assert (got is None) == (want is None) == (not select), what
+        if select:
+            for name, g, w in zip(Frontier._fields, got, want, strict=True):
+                assert g.dtype == w.dtype and torch.equal(g, w), (what, name, g, w)
+            scores = want.score
+            assert bool((scores[:, :-1] >= scores[:, 1:]).all()), what  # sorted
+    # the ties are real: some level above has equal scores among its best k
+    lp, ids, front, states, allowed = inputs(2, 4, 4, 16, 8, torch.float32, 50)
+    packed = torch.zeros(3, 2, 40, dtype=torch.float64, device=device)
+    scores = tree_level_torch(lp, ids, None, front, packed, 0, True, states, allowed, 4).score
+    assert bool((scores[:, :-1] == scores[:, 1:]).any())

@@ -35,6 +35,7 @@ from bench_step_costs import configs
 
 from splitspec.attention.decode_table import block_keys, splits_for
 from splitspec.kernels import (
+    Frontier,
     fused_ops,
     gemv,
     kv_compact,
@@ -42,6 +43,7 @@ from splitspec.kernels import (
     prompt_attention,
     top_logprobs,
     tree_attention,
+    tree_level,
 )
 from splitspec.model.config import Eagle3Config, LlamaConfig
 
@@ -50,7 +52,7 @@ SHARED_BYTES = 232448  # the most shared memory one block may use on sm_90 (227 
 PROCESSORS = 132       # an H100/H200's SMs: the decode kernels' split count follows them
 PAGE = 16
 KERNEL_MODULES = (fused_ops, gemv, kv_compact, paged_decode, prompt_attention, top_logprobs,
-                  tree_attention)
+                  tree_attention, tree_level)
 SHAPES = {"builtin": "builtin", "llama-3.1-8b": "8b"}  # bench_step_costs.py's shapes, by name
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -132,6 +134,21 @@ def _calls(shape: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], objec
         for columns in (head.draft_vocab_size, vocab):
             calls.append((f"top_logprobs rows={rows} k={k} vocab={columns}", partial(
                 top_logprobs.top_logprobs_kernels, _empty(rows, columns, dtype=dtype), k)))
+    width = head.layer.hidden_size
+    for b, k, steps in ((1, 4, 5), (4, 4, 5), (1, 1, 5), (2, 8, 3)):  # the search's levels
+        seen, columns = 6 + (steps - 1) * k, k + (steps - 1) * k * k
+        packed, d2t = _empty(3, b, columns, dtype=torch.float64), _empty(head.draft_vocab_size,
+                                                                          dtype=torch.int64)
+        allowed = _empty(b, k, seen, dtype=torch.bool)
+        front = Frontier(_empty(b, k, dtype=torch.float64), _empty(b, k, dtype=torch.int64),
+                         _empty(b, k, dtype=torch.int64), _empty(b * k, width, dtype=dtype),
+                         allowed)
+        for f, select in ((1, True), (k, True), (k, False)):  # the root, a level, the last
+            rows = b * f
+            calls.append((f"tree_level batch={b} k={k} frontier={f} select={select}", partial(
+                tree_level.tree_level, _empty(rows, k, dtype=torch.float32),
+                _empty(rows, k, dtype=torch.int64), d2t, None if f == 1 else front, packed, 0,
+                select, _empty(rows, width, dtype=dtype), allowed, 6)))
     # the projections through gemv.linear, which picks the kernel and its config as serving
     # does (one row: gemv; 2-64 rows of a shape ROW_CONFIGS lists: few_rows; else torch)
     own = head.layer

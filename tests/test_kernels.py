@@ -8,6 +8,7 @@ subprocess so that no other test's Triton is affected); on a GPU (marked
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,14 +23,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
                                    "run_paged_decode", "run_gemv", "run_few_rows",
-                                   "run_wired_projections", "run_top_logprobs"])
+                                   "run_wired_projections", "run_top_logprobs",
+                                   "run_tree_level"])
 def test_kernels_match_torch_in_the_interpreter(cases):
     """run: KV compaction; run_fused: norms, rotary, SiLU-and-multiply, the KV store;
     run_tree: the draft's tree-node attention and merge; run_prompts: packed prompts' causal
     attention; run_paged_decode: decode attention over the paged cache, split and merged, one
     row or several a sequence (the verify and drafting prefix, TablePrefix); run_gemv and
     run_few_rows: a projection of one row and of a few; run_wired_projections: a small target
-    and head with every projection through them; run_top_logprobs: the draft's top k."""
+    and head with every projection through them; run_top_logprobs: the draft's top k;
+    run_tree_level: a level of the draft's tree search after its top k."""
     code = f"from tests.kernel_cases import {cases}; {cases}('cpu'); print('ok')"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -57,7 +60,8 @@ def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
                                    "run_paged_decode", "run_gemv", "run_few_rows",
-                                   "run_wired_projections", "run_top_logprobs"])
+                                   "run_wired_projections", "run_top_logprobs",
+                                   "run_tree_level"])
 def test_kernels_match_torch_on_the_gpu(cases):
     import tests.kernel_cases
 
@@ -112,6 +116,34 @@ def test_top_logprobs_kernels_refuse_what_they_do_not_take():
     for logits, k in ((x, MAX_K + 1), (x, 0), (x.T, 2), (x[0], 2), (x[:0], 2)):
         with pytest.raises(ValueError, match="the kernels take logits"):
             top_logprobs_kernels(logits, k)
+
+
+def test_tree_level_refuses_inconsistent_inputs():
+    """The tree level's checks (tree_level_torch's, and the kernel's before its launch):
+    each mismatch is named, and nothing is written."""
+    from splitspec.kernels import Frontier, tree_level_torch
+
+    b, k, x, t = 2, 4, 8, 12
+    lp, ids = torch.zeros(b * k, k), torch.zeros(b * k, k, dtype=torch.int64)
+    states, allowed = torch.zeros(b * k, x), torch.zeros(b, k, t, dtype=torch.bool)
+    front = Frontier(torch.zeros(b, k, dtype=torch.float64), ids[:b], ids[:b], states, allowed)
+    packed = torch.zeros(3, b, 40, dtype=torch.float64)
+    good = dict(lp=lp, ids=ids, d2t=None, front=front, packed=packed, col=4, select=True,
+                states=states, allowed=allowed, eye_col=8)
+    assert tree_level_torch(**good) is not None
+    packed.zero_()
+    rows = re.escape("must be [B * F, k]")
+    bad = [({"lp": lp[:b]}, rows), ({"front": None}, rows),
+           ({"ids": ids.T.contiguous().T}, "contiguous rows"),
+           ({"packed": packed.float()}, "float64"), ({"col": 30}, "do not fit packed"),
+           ({"states": states[:b]}, "states"), ({"allowed": allowed.int()}, "bool"),
+           ({"eye_col": 9}, "do not fit T"),
+           ({"front": front._replace(score=front.score[:1])}, "frontier")]
+    for change, message in bad:
+        with pytest.raises(ValueError, match=message):
+            tree_level_torch(**{**good, **change})
+    assert not packed.any()
+    assert tree_level_torch(**{**good, "eye_col": 9, "select": False}) is None  # unused then
 
 
 def test_top_logprobs_kernels_share_variants_between_widths():
