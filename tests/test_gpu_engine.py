@@ -354,8 +354,9 @@ def test_speculation_agrees_with_plain_decoding_in_bf16(tmp_path):
 def test_fused_kernels_match_the_torch_layers(dtype, monkeypatch):
     """The built-in target with its norms, rotary, activation, KV store and projections as
     Triton kernels (the default on CUDA) against the same weights through the torch forms: a
-    prompt (40 rows) and a tree over it (6), every shape through few_rows (as if ROW_CONFIGS
-    listed it), then one decode row (the GEMV's)."""
+    prompt (40 rows) and a tree over it (6), in bfloat16 every shape through few_rows (as if
+    ROW_CONFIGS listed it; float32 rows go to torch, whose tiles they would overflow), then
+    one decode row (the GEMV's)."""
     from splitspec.kernels import gemv
     from splitspec.model.layers import use_fused_kernels
     from tests.kernel_cases import EveryShape
@@ -396,7 +397,7 @@ def test_fused_kernels_match_the_torch_layers(dtype, monkeypatch):
     print(f"{dtype}: max error {error:.2e} of the largest logit, argmax agreement {agree:.3f}")
     assert error < (1e-4 if dtype == torch.float32 else 3e-2), error
     assert agree >= (1.0 if dtype == torch.float32 else 0.9), agree
-    assert rows_seen == {40, 6}
+    assert rows_seen == (set() if dtype == torch.float32 else {40, 6})
 
 
 def test_table_prefix_matches_torch_prefix():
