@@ -13,7 +13,7 @@ request:
 3. Trees: for the sequences that ask for one, EAGLE-2 top-k drafting on the
    device, batched over the sequences of each tree shape, one forward per
    tree level and one read back (:class:`TreeSearch`, CUDA graphs on GPUs);
-   the host then keeps each tree's best nodes (:meth:`_Candidates.best_tree`).
+   the host then keeps each tree's best nodes (:meth:`Candidates.best_tree`).
    In the steady state (every sequence a top-k tree of one captured shape,
    1 .. depth + 1 new tokens each) steps 2 and 3 are one graph replay
    (:meth:`TreeSearch.run_caught_up`).
@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 import torch
 
 from draft_service.models import DraftModel, EntrySpan
-from draft_service.tree_search import Candidates, CatchUp, TreeSearch
+from draft_service.tree_search import CatchUp, TreeSearch
 from splitspec.attention.base import AttentionBackend, SeqAttention
 from splitspec.attention.decode_table import prefix_attention_for
 from splitspec.kv_cache import KVCache, OutOfPages, PagePool, PageTable
@@ -161,7 +161,7 @@ def decode_features(data: bytes, rows: int, width: int, hidden_dim: int, dtype: 
 
 
 class _Candidates:
-    """The nodes generated while drafting one sequence's tree, in generation order."""
+    """The nodes generated while drafting one sequence's sampled tree, in generation order."""
 
     def __init__(self, shape: TreeShape) -> None:
         self.shape = shape
@@ -176,23 +176,6 @@ class _Candidates:
         self.scores.append(score)
         self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
         return len(self.tokens) - 1
-
-    def best_tree(self) -> Tree:
-        """The best num_draft_tokens candidates, closed under parents, parents first."""
-        order = sorted(range(len(self.tokens)), key=lambda c: (-self.scores[c], self.depths[c], c))
-        kept: list[int] = []
-        is_kept: set[int] = set()
-        for c in order:
-            if len(kept) == self.shape.num_draft_tokens:
-                break
-            if self.parents[c] != ROOT and self.parents[c] not in is_kept:
-                continue
-            kept.append(c)
-            is_kept.add(c)
-        kept.sort(key=lambda c: (self.depths[c], c))
-        index = {c: i + 1 for i, c in enumerate(kept)}
-        return Tree([self.tokens[c] for c in kept],
-                    [0 if self.parents[c] == ROOT else index[self.parents[c]] for c in kept])
 
 
 # Prior weight of a node's r-th draw in a sampled tree (how likely it is to be the one
@@ -523,21 +506,13 @@ class Drafter(BaseDrafter):
         for row, (i, ext) in enumerate(zip(live, extends, strict=True)):
             ext.state.table.num_slots = ext.span.first + len(ext.span.tokens)
             ext.state.last_state = roots[row]
-            trees[i] = ext.state.last_tree = self._best_tree(found, row, shape)
+            trees[i] = ext.state.last_tree = found.best_tree(row, shape.num_draft_tokens)
         return trees
 
     def _samples(self, item: SeqInput) -> bool:
         """Whether the sequence's tree is a sampled one (the host-driven path)."""
         params = item.sampling
         return self.limits.sampled_trees and params is not None and not params.is_greedy
-
-    @staticmethod
-    def _best_tree(found: Candidates, row: int, shape: TreeShape) -> Tree:
-        cands = _Candidates(shape)
-        for token, parent, score in zip(found.tokens[row], found.parents[row], found.scores[row],
-                                        strict=True):
-            cands.add(token, parent, score)
-        return cands.best_tree()
 
     # ---- catch-up ---------------------------------------------------------------------
 
@@ -620,7 +595,7 @@ class Drafter(BaseDrafter):
             found = self.search.run(torch.stack([s.last_state for s in states]),
                                     [s.table for s in states], [s.num_entries for s in states], shape)
             for row, (i, _) in enumerate(group):
-                trees[i] = self._best_tree(found, row, shape)
+                trees[i] = found.best_tree(row, shape.num_draft_tokens)
         if jobs:
             try:
                 self._grow(jobs)

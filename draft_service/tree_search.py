@@ -6,8 +6,7 @@ level's attention mask and page plan on the host: about 3 ms a level on a GPU,
 almost all of it host time. Here a level is a fixed sequence of tensor
 operations on [B, k] frontiers (on CUDA, what follows each level's top k is one
 kernel: splitspec/kernels/tree_level.py), and the host sees the candidates once,
-at the end, to pick each tree (:meth:`_Candidates.best_tree`, the same rule as
-the host form).
+at the end, to pick each tree (:meth:`Candidates.best_tree`).
 
 A frontier node at depth j of sequence b attends to
 
@@ -54,6 +53,7 @@ from splitspec.kernels import HAS_TRITON, tree_level_torch
 from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
 from splitspec.staging import HostTwin
+from splitspec.tree import Tree
 
 if TYPE_CHECKING:
     from draft_service.drafter import TreeShape
@@ -108,11 +108,36 @@ class NodeAttention(AttentionBackend):
 @dataclass
 class Candidates:
     """Every candidate of a batch of trees, on the host: [B, C] in generation order (the
-    depth-1 candidates, then per level each frontier row's k children)."""
+    depth-1 candidates, then per level each frontier row's k children), so a candidate's
+    column is never before its parent's, nor a shallower candidate's."""
 
-    tokens: list[list[int]]
-    parents: list[list[int]]   # candidate index, -1 for depth 1
-    scores: list[list[float]]  # cumulative log-prob
+    tokens: np.ndarray   # [B, C] int64: target ids
+    parents: np.ndarray  # [B, C] int64: candidate index, -1 for depth 1
+    scores: np.ndarray   # [B, C] float64: cumulative log-prob
+
+    @classmethod
+    def of_packed(cls, packed: np.ndarray) -> Candidates:
+        """From the search's packed [3, B, C] float64 (ids, parents, scores)."""
+        return cls(packed[0].astype(np.int64), packed[1].astype(np.int64), packed[2].copy())
+
+    def best_tree(self, row: int, size: int) -> Tree:
+        """Row ``row``'s best ``size`` candidates (by score, then generation order: of equal
+        scores the shallower first), closed under parents (a candidate whose parent was
+        passed over is passed over too), parents first (in generation order)."""
+        parents = self.parents[row].tolist()
+        kept: list[int] = []
+        is_kept = [False] * len(parents)
+        for c in np.argsort(-self.scores[row], kind="stable").tolist():
+            if len(kept) == size:
+                break
+            if parents[c] >= 0 and not is_kept[parents[c]]:
+                continue
+            kept.append(c)
+            is_kept[c] = True
+        kept.sort()
+        index = {c: i + 1 for i, c in enumerate(kept)}
+        return Tree(self.tokens[row, kept].tolist(),
+                    [0 if parents[c] < 0 else index[parents[c]] for c in kept])
 
 
 class CatchUp(NamedTuple):
@@ -308,8 +333,7 @@ class TreeSearch:
 
     @staticmethod
     def _read(packed: torch.Tensor) -> Candidates:
-        tok, par, score = packed.cpu().unbind(0)  # the one read back
-        return Candidates(tok.long().tolist(), par.long().tolist(), score.tolist())
+        return Candidates.of_packed(packed.cpu().numpy())  # the one read back
 
     def use_pad_page(self, page: int) -> None:
         """The page padding rows read and write: one no sequence will own (capture sets it)."""

@@ -12,6 +12,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 import draft_service.tree_search as tree_search
@@ -189,8 +190,9 @@ def draft_search() -> None:
             roots = torch.randn(n, model.state_width, generator=gen)
             assert graphed._key(n, tree, graphed.graphs) is not None
             got, want = (s.run(roots, tables, lengths, tree) for s in (graphed, eager))
-            assert got.tokens == want.tokens and got.parents == want.parents, n
-            torch.testing.assert_close(torch.tensor(got.scores), torch.tensor(want.scores),
+            assert np.array_equal(got.tokens, want.tokens), n
+            assert np.array_equal(got.parents, want.parents), n
+            torch.testing.assert_close(torch.from_numpy(got.scores), torch.from_numpy(want.scores),
                                        rtol=1e-4, atol=1e-4)
             for t in tables:
                 t.release(pool)
@@ -205,7 +207,8 @@ def draft_search() -> None:
             assert graphed.can_catch_up(counts, firsts, tree)
             (got, got_roots), (want, want_roots) = (s.run_caught_up(seqs, tree)
                                                     for s in (graphed, eager))
-            assert got.tokens == want.tokens and got.parents == want.parents, n
+            assert np.array_equal(got.tokens, want.tokens), n
+            assert np.array_equal(got.parents, want.parents), n
             torch.testing.assert_close(got_roots, want_roots, rtol=1e-4, atol=1e-4)
             for seq in seqs:
                 seq.table.release(pool)

@@ -310,6 +310,54 @@ def test_a_trees_first_child_path_is_the_chain_the_draft_would_send(drafter):
         assert first_child_run(tree, path) == len(path)
 
 
+def test_best_tree_keeps_the_best_candidates_closed_under_parents():
+    """Candidates.best_tree (each searched tree's selection) against the rule written out
+    plainly, as reference_tree has it: by score, then depth, then generation order; a
+    candidate whose parent was passed over is passed over too; parents first. Scores on a
+    coarse grid, so that equal scores, within a level and across levels, are common; some
+    children score above their parents (a real search never has them) so that the closure
+    rule is used."""
+    import numpy as np
+
+    from draft_service.tree_search import Candidates
+
+    def plain(tokens, parents, scores, depths, size):
+        order = sorted(range(len(tokens)), key=lambda c: (-scores[c], depths[c], c))
+        kept = []
+        for c in order:
+            if len(kept) < size and (parents[c] < 0 or parents[c] in kept):
+                kept.append(c)
+        kept.sort(key=lambda c: (depths[c], c))
+        index = {c: i + 1 for i, c in enumerate(kept)}
+        return Tree([tokens[c] for c in kept], [index.get(parents[c], 0) for c in kept])
+
+    gen = np.random.default_rng(7)
+    skipped = ties = 0
+    for k, levels, size in ((2, 3, 5), (3, 3, 8), (4, 4, 8), (1, 4, 3), (4, 2, 20)):
+        columns = k + (levels - 1) * k * k
+        packed = np.zeros((3, 6, columns))
+        for row in range(6):
+            parents = [-1] * k
+            for level in range(levels - 1):  # each level's children of k frontier nodes
+                first = k + (level - 1) * k * k if level else 0
+                frontier = gen.choice(np.arange(first, len(parents)), size=k, replace=False)
+                parents += [int(f) for f in frontier for _ in range(k)]
+            packed[0, row] = gen.integers(0, 1000, columns)
+            packed[1, row] = parents
+            packed[2, row] = -gen.integers(0, 6, columns) / 2  # a coarse grid
+        found = Candidates.of_packed(packed)
+        depths_ = [1] * k + [2 + c // (k * k) for c in range(columns - k)]
+        for row in range(6):
+            tokens, parents = found.tokens[row].tolist(), found.parents[row].tolist()
+            scores = found.scores[row].tolist()
+            want = plain(tokens, parents, scores, depths_, size)
+            assert found.best_tree(row, size) == want, (k, levels, row)
+            ranked = sorted(range(columns), key=lambda c: (-scores[c], depths_[c], c))[:size]
+            skipped += any(parents[c] >= 0 and parents[c] not in ranked for c in ranked)
+            ties += len(set(scores)) < columns
+    assert skipped and ties  # the closure rule and the ties were met
+
+
 def test_tree_is_well_formed_full_and_deterministic(drafter):
     tokens = fake_tokens(20)
     tree = draft_one(drafter, tokens, TREE)
