@@ -18,8 +18,9 @@ of that target's shape (one layer, draft vocabulary 32000), after a prompt of
   --depth, as the draft service does for every step; with graphs the catch-up
   runs inside the search's graph, and the same calls are timed again with it
   run eagerly first (``draft_two_pass_ms``), and its graph is replayed alone as the
-  decode graph is (``draft_replay_queued_ms``, ``draft_launch_ms``); the draft's own
-  weight-read floor (``floor_ms``: fc once, then the layer and lm_head once a level).
+  decode graph is (``draft_replay_ms``, ``draft_replay_queued_ms``, ``draft_launch_ms``);
+  the draft's own weight-read floor (``floor_ms``: fc once, then the layer and lm_head
+  once a level).
 
 With ``--batch N`` the target's calls are made for N sequences at once (the
 draft is then not timed), and ``--prompt-tokens P`` adds a mixed call: a
@@ -305,6 +306,10 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
     if search is not None:  # the catch-up-and-search graph replayed alone, then the same
         # calls with the catch-up run eagerly before the search
         (caught_up,) = search.caught_up.values()  # one bucket, one tree shape
+        result["draft_replay_ms"] = timed(caught_up.graph.replay, args.warmup, args.iters,
+                                          args.device)
+        print(f"draft graph replay alone: median {statistics.median(result['draft_replay_ms']):.3f}"
+              " ms (the call less this is its host work and copies)", flush=True)
         queued, launches = device_and_launch(caught_up.graph, args)
         result["draft_replay_queued_ms"], result["draft_launch_ms"] = queued, launches
         print(f"draft graph (catch-up and search): {statistics.median(queued):.3f} ms a replay "
