@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from splitspec.kernels import Frontier, check_level, tree_level_torch  # noqa: F401 - the reference
+from splitspec.kernels import Frontier, check_level
 
 STATES_BLOCK = 512  # state columns a copy step moves
 SEEN_BLOCK = 64     # ancestor-table columns a copy step moves
