@@ -6,9 +6,10 @@ each child's score (its parent's plus its log-probability, in float64), the cand
 columns of the packed output, the k best children (sorted, ties in candidate order), and
 for them their parents' states and rows of the ancestor table with their own column set.
 In torch that is about fifteen small kernels a level, and with the final concatenations
-some seventy of a 5-level draft graph's two hundred kernels: on the H200, kernels of a
-microsecond or two each, between the head's projections. Here it is one launch a level,
-one program a sequence.
+some sixty to seventy of a 5-level draft graph's roughly two hundred kernels: on the H200,
+kernels of a microsecond or two each, between the head's projections. Here it is one
+launch a level, one program a sequence: the 8B draft graph 4.8 % shorter, the built-in
+pair's 25 % (docs/benchmarks.md, twenty-fourth part).
 
 :func:`splitspec.kernels.tree_level_torch` is the reference (and the CPU path), with the
 contract both keep; :func:`tree_level` is the kernel behind the same signature. Every
