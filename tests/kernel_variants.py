@@ -143,11 +143,11 @@ def _calls(shape: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], objec
         front = Frontier(_empty(b, k, dtype=torch.float64), _empty(b, k, dtype=torch.int64),
                          _empty(b, k, dtype=torch.int64), _empty(b * k, width, dtype=dtype),
                          allowed)
-        for f, select in ((1, True), (k, True), (k, False)):  # the root, a level, the last
-            rows = b * f
-            calls.append((f"tree_level batch={b} k={k} frontier={f} select={select}", partial(
+        for root, select in ((True, True), (False, True), (False, False)):  # root, level, last
+            rows = b * (1 if root else k)
+            calls.append((f"tree_level batch={b} k={k} root={root} select={select}", partial(
                 tree_level.tree_level, _empty(rows, k, dtype=torch.float32),
-                _empty(rows, k, dtype=torch.int64), d2t, None if f == 1 else front, packed, 0,
+                _empty(rows, k, dtype=torch.int64), d2t, None if root else front, packed, 0,
                 select, _empty(rows, width, dtype=dtype), allowed, 6)))
     # the projections through gemv.linear, which picks the kernel and its config as serving
     # does (one row: gemv; 2-64 rows of a shape ROW_CONFIGS lists: few_rows; else torch)

@@ -9,6 +9,7 @@ import time
 from collections import Counter
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
@@ -25,6 +26,7 @@ from draft_service.drafter import (
 from draft_service.models import EAGLE3, STANDALONE, DraftModel, load_draft_model, read_spec
 from draft_service.servicer import DRAFT_FAULT_ENV, DraftServicer, draft_fault_from_env, draft_info
 from draft_service.startup import allocate_kv_cache, warmup
+from draft_service.tree_search import Candidates
 from splitspec.attention import TorchAttentionBackend
 from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_EAGLE3, BUILTIN_TARGET
 from splitspec.grpc_server import ServiceServer
@@ -317,10 +319,6 @@ def test_best_tree_keeps_the_best_candidates_closed_under_parents():
     coarse grid, so that equal scores, within a level and across levels, are common; some
     children score above their parents (a real search never has them) so that the closure
     rule is used."""
-    import numpy as np
-
-    from draft_service.tree_search import Candidates
-
     def plain(tokens, parents, scores, depths, size):
         order = sorted(range(len(tokens)), key=lambda c: (-scores[c], depths[c], c))
         kept = []
