@@ -8,8 +8,11 @@ for them their parents' states and rows of the ancestor table with their own col
 In torch that is about fifteen small kernels a level, and with the final concatenations
 some sixty to seventy of a 5-level draft graph's roughly two hundred kernels: on the H200,
 kernels of a microsecond or two each, between the head's projections. Here it is one
-launch a level, one program a sequence: the 8B draft graph 4.8 % shorter, the built-in
-pair's 25 % (docs/benchmarks.md, twenty-fourth part).
+launch a level: the 8B draft graph 4.8 % shorter, the built-in pair's 25 %
+(docs/benchmarks.md, twenty-fourth part). A program per sequence and next-frontier slot:
+each ranks the level's candidates and copies one slot's parent state, so the copies of
+the k slots run side by side (one program a sequence took 10.4 us a level at the 8B shape,
+its four 8 KiB state copies one after another).
 
 :func:`splitspec.kernels.tree_level_torch` is the reference (and the CPU path), with the
 contract both keep; :func:`tree_level` is the kernel behind the same signature. Every
@@ -39,6 +42,7 @@ def _level_kernel(lp, lp_row, ids, ids_row, d2t, front_score, front_cand,
                   F, K, root, select, D2T: tl.constexpr, BLOCK_C: tl.constexpr,
                   BLOCK_X: tl.constexpr, BLOCK_T: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    mine = tl.program_id(1)  # the next frontier's slot this program fills (0 on a last level)
     i = tl.arange(0, BLOCK_C)
     real = i < F * K
     node = i // K   # the frontier row each candidate descends from
@@ -50,33 +54,37 @@ def _level_kernel(lp, lp_row, ids, ids_row, d2t, front_score, front_cand,
     score = (tl.load(front_score + b * K + node, mask=has_parent, other=0.0)
              + lp_i.to(tl.float64))
     parent = tl.load(front_cand + b * K + node, mask=has_parent, other=-1)
-    out = packed + b * width + col + i
-    tl.store(out, ids_i.to(tl.float64), mask=real)
-    tl.store(out + plane, parent.to(tl.float64), mask=real)
-    tl.store(out + 2 * plane, score, mask=real)
+    if mine == 0:
+        out = packed + b * width + col + i
+        tl.store(out, ids_i.to(tl.float64), mask=real)
+        tl.store(out + plane, parent.to(tl.float64), mask=real)
+        tl.store(out + 2 * plane, score, mask=real)
     if select != 0:
+        # every program ranks the level's candidates (a few dozen values); program j keeps
+        # the j-th best and copies its parent's state and ancestor row
         alive = real
         for j in range(K):
             best = tl.max(tl.where(alive, score, float("-inf")), axis=0)
             at = tl.min(tl.where(alive & (score == best), i, BLOCK_C), axis=0)
             alive = alive & (i != at)
-            slot = b * K + j
-            tl.store(next_score + slot, best)
-            tl.store(next_tok + slot, tl.sum(tl.where(i == at, ids_i, 0), axis=0))
-            tl.store(next_cand + slot, (col + at).to(tl.int64))
-            row = at // K
-            for x0 in range(0, X, BLOCK_X):
-                xs = x0 + tl.arange(0, BLOCK_X)
-                keep = xs < X
-                value = tl.load(states + (b * F + row) * states_row + xs, mask=keep)
-                tl.store(next_states + slot * X + xs, value, mask=keep)
-            for t0 in range(0, T, BLOCK_T):
-                ts = t0 + tl.arange(0, BLOCK_T)
-                keep = ts < T
-                seen = tl.load(allowed + (b * K + row) * T + ts, mask=keep, other=0)
-                own = (ts >= eye_col) & (ts < eye_col + K)
-                seen = tl.where(own, (ts - eye_col == j).to(tl.uint8), seen)
-                tl.store(next_allowed + slot * T + ts, seen, mask=keep)
+            if j == mine:
+                slot = b * K + j
+                tl.store(next_score + slot, best)
+                tl.store(next_tok + slot, tl.sum(tl.where(i == at, ids_i, 0), axis=0))
+                tl.store(next_cand + slot, (col + at).to(tl.int64))
+                row = at // K
+                for x0 in range(0, X, BLOCK_X):
+                    xs = x0 + tl.arange(0, BLOCK_X)
+                    keep = xs < X
+                    value = tl.load(states + (b * F + row) * states_row + xs, mask=keep)
+                    tl.store(next_states + slot * X + xs, value, mask=keep)
+                for t0 in range(0, T, BLOCK_T):
+                    ts = t0 + tl.arange(0, BLOCK_T)
+                    keep = ts < T
+                    seen = tl.load(allowed + (b * K + row) * T + ts, mask=keep, other=0)
+                    own = (ts >= eye_col) & (ts < eye_col + K)
+                    seen = tl.where(own, (ts - eye_col == j).to(tl.uint8), seen)
+                    tl.store(next_allowed + slot * T + ts, seen, mask=keep)
 
 
 def candidates_block(candidates: int) -> int:
@@ -104,7 +112,7 @@ def tree_level(lp: torch.Tensor, ids: torch.Tensor, d2t: torch.Tensor | None,
     else:  # nothing is written to these; the kernel still takes pointers
         nxt = Frontier(packed, ids, ids, states, allowed)
     score, cand = (packed, ids) if front is None else (front.score, front.cand)
-    _level_kernel[(b,)](
+    _level_kernel[(b, k if select else 1)](
         lp, lp.stride(0), ids, ids.stride(0), ids if d2t is None else d2t, score, cand,
         packed, packed.stride(0), packed.stride(1), col, states, states.stride(0), x,
         allowed.view(torch.uint8), t, eye_col, nxt.score, nxt.tokens, nxt.cand, nxt.states,
