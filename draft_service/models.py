@@ -212,12 +212,11 @@ class Eagle3Draft(DraftModel):
         if features is None:
             raise ValueError("EAGLE-3 entries need the target's features")
         head = self.head
-        return head.midlayer(head.embed_tokens(tokens), head.fuse(features), positions, ctx)
+        return head.step(tokens, head.fuse(features), positions, ctx)
 
     def forward_nodes(self, tokens: torch.Tensor, parent_states: torch.Tensor,
                       positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        head = self.head
-        return head.midlayer(head.embed_tokens(tokens), parent_states, positions, ctx)
+        return self.head.step(tokens, parent_states, positions, ctx)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
         return self.head.logits(states)

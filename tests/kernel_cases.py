@@ -112,6 +112,18 @@ def check_fused(device: str, dtype: torch.dtype, tokens: int, hidden: int, heads
     strided = rand(hidden, tokens).t()
     close(fused_ops.rms_norm(strided, norm.weight, norm.eps), norm(strided), "rms_norm strided")
 
+    # an EAGLE-3 layer's input: embeddings gathered and normed beside normed hidden states,
+    # these contiguous, rows of a wider tensor, or transposed
+    table = rand(11, hidden)
+    ids = torch.randint(0, 11, (tokens,), generator=gen).to(device)
+    own = RMSNorm(hidden, 0.05).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        own.weight.copy_(rand(hidden))
+    for states in (x, rand(tokens, 2 * hidden)[:, hidden:], rand(hidden, tokens).t()):
+        close(fused_ops.embed_norm_pair(ids, table, states, norm.weight, own.weight, norm.eps,
+                                        own.eps),
+              torch.cat((norm(table[ids]), own(states)), dim=-1), "embed_norm_pair")
+
     inter = 3 * hidden + 5  # not a multiple of the kernel's block
     gate_up = rand(tokens, 2 * inter)
     close(fused_ops.silu_mul(gate_up),

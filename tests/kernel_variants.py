@@ -105,6 +105,9 @@ def _calls(shape: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], objec
         calls += [
             (f"rms_norm rows={rows}", partial(fused_ops.rms_norm, x, weight, 1e-5)),
             (f"add_rms_norm rows={rows}", partial(fused_ops.add_rms_norm, x, x, weight, 1e-5)),
+            (f"embed_norm_pair rows={rows}", partial(  # an EAGLE-3 layer's input
+                fused_ops.embed_norm_pair, positions, _empty(vocab, hidden, dtype=dtype), x,
+                weight, weight, 1e-5, 1e-5)),
             (f"silu_mul rows={rows}",
              partial(fused_ops.silu_mul, _empty(rows, 2 * inter, dtype=dtype))),
             (f"rope rows={rows}", partial(fused_ops.rope, q, k, positions, _empty(dim // 2))),

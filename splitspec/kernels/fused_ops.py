@@ -8,6 +8,9 @@ arithmetic); each of these takes one:
 
 - :func:`rms_norm` and :func:`add_rms_norm` (the residual add and the next
   norm together, writing the new residual stream as well);
+- :func:`embed_norm_pair`, an EAGLE-3 layer's input: the token embeddings gathered and
+  normed beside the normed hidden states, in one [T, 2H] (torch: a gather, two norms and
+  a concatenation);
 - :func:`rope` (queries out of place into a contiguous tensor, keys in place;
   cos/sin computed from the positions and the model's inverse frequencies);
 - :func:`silu_mul` over the fused gate/up projection;
@@ -29,7 +32,7 @@ import triton.language as tl
 from splitspec.kernels.gemv import linear
 from splitspec.kernels.top_logprobs import top_logprobs
 
-__all__ = ["add_rms_norm", "linear", "rms_norm", "rope", "silu_mul", "store_kv", "top_logprobs"]
+__all__ = ["add_rms_norm", "embed_norm_pair", "linear", "rms_norm", "rope", "silu_mul", "store_kv", "top_logprobs"]
 
 
 @triton.jit
@@ -78,6 +81,51 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         _norm_kernel[(rows.shape[0],)](rows, residual_rows, weight, out, summed, eps, N=n,
                                        BLOCK=triton.next_power_of_2(n), ADD=True)
     return out.view(x.shape), summed.view(x.shape)
+
+
+@triton.jit
+def _norm_pair_kernel(ids, table, table_row, hidden, hidden_row, w_embed, w_hidden, out,
+                      eps_embed, eps_hidden, N: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    half = tl.program_id(1)  # 0: the token's embedding, 1: the hidden state
+    cols = tl.arange(0, BLOCK)
+    keep = cols < N
+    if half == 0:
+        token = tl.load(ids + row).to(tl.int64)
+        h = tl.load(table + token * table_row + cols, mask=keep, other=0.0).to(tl.float32)
+        w = tl.load(w_embed + cols, mask=keep, other=0.0).to(tl.float32)
+        eps = eps_embed
+    else:
+        h = tl.load(hidden + row * hidden_row + cols, mask=keep, other=0.0).to(tl.float32)
+        w = tl.load(w_hidden + cols, mask=keep, other=0.0).to(tl.float32)
+        eps = eps_hidden
+    scale = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)  # as _norm_kernel rounds
+    normed = (h * scale).to(out.dtype.element_ty).to(tl.float32)
+    tl.store(out + row * 2 * N + half * N + cols, (normed * w).to(out.dtype.element_ty),
+             mask=keep)
+
+
+def embed_norm_pair(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor,
+                    w_embed: torch.Tensor, w_hidden: torch.Tensor, eps_embed: float,
+                    eps_hidden: float) -> torch.Tensor:
+    """[w_embed * normalise(table[ids]) ‖ w_hidden * normalise(hidden)]: [T, 2H] for ids [T],
+    table [V, H] and hidden [T, H] of table's dtype, in one kernel."""
+    if table.dtype != hidden.dtype or ids.dim() != 1 or hidden.shape != (ids.shape[0], table.shape[1]):
+        raise ValueError(f"ids {tuple(ids.shape)}, table {tuple(table.shape)} {table.dtype} and "
+                         f"hidden {tuple(hidden.shape)} {hidden.dtype}: want [T], [V, H], [T, H] "
+                         "of one dtype")
+    n = table.shape[1]
+    if table.stride(1) != 1:
+        table = table.contiguous()
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    out = torch.empty(ids.shape[0], 2 * n, dtype=table.dtype, device=table.device)
+    if ids.shape[0]:
+        _norm_pair_kernel[(ids.shape[0], 2)](ids, table, table.stride(0), hidden,
+                                             hidden.stride(0), w_embed, w_hidden, out,
+                                             eps_embed, eps_hidden, N=n,
+                                             BLOCK=triton.next_power_of_2(n))
+    return out
 
 
 @triton.jit

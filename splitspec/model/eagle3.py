@@ -44,9 +44,9 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(layer.hidden_size, layer.rms_norm_eps)
         self.mlp = LlamaMLP(layer)
 
-    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+    def forward(self, x: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ctx: AttentionContext) -> torch.Tensor:
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        """x [T, 2H]: the layer's input (:meth:`Eagle3Head.layer_input`); hidden [T, H]."""
         attn = self.self_attn(x, positions, 0, ctx)
         x, h = self.post_attention_layernorm.add_forward(attn, hidden)
         return h + self.mlp(x)
@@ -88,10 +88,26 @@ class Eagle3Head(nn.Module):
     def _lm_head(self, g: torch.Tensor) -> torch.Tensor:
         return linear_of(self.kernels)(self.norm(g), self.lm_head.weight)
 
+    def layer_input(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[input_layernorm(embed(input_ids)) ‖ hidden_norm(hidden)]: [T, 2H]; with the
+        kernels on, in one kernel (the gather, both norms and the concatenation)."""
+        layer = self.midlayer
+        embed, own = layer.input_layernorm, layer.hidden_norm
+        if self.kernels is not None:
+            return self.kernels.embed_norm_pair(input_ids, self.embed_tokens.weight, hidden,
+                                                embed.weight, own.weight, embed.eps, own.eps)
+        return torch.cat((embed(self.embed_tokens(input_ids)), own(hidden)), dim=-1)
+
+    def step(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+             ctx: AttentionContext) -> torch.Tensor:
+        """The residual stream g [T, H] after the layer; input_ids [T]; hidden [T, H]: fused
+        target features or the head's own g."""
+        return self.midlayer(self.layer_input(input_ids, hidden), hidden, positions, ctx)
+
     def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                 ctx: AttentionContext) -> Eagle3Output:
         """input_ids [T]; hidden [T, H]: fused target features or the head's own g."""
-        g = self.midlayer(self.embed_tokens(input_ids), hidden, positions, ctx)
+        g = self.step(input_ids, hidden, positions, ctx)
         return Eagle3Output(self.logits(g), g)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
