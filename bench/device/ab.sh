@@ -5,9 +5,10 @@
 #     bash bench/device/ab.sh [RUNS]      (carry ".whl" and ".out"; limit 600 s)
 # First bench_decode_attention.py's Triton kernel at batch 1 and 8, 512 and 2048 keys, for
 # each (ATTN=0 skips it); then RUNS (default 2) rounds of bench_step_costs.py (with
-# COSTS_FLAGS, e.g. "--shape builtin"), each tree in name order, head last. Everything
-# printed goes to $OUT/ab.log; the JSON to $OUT/attn_NAME.json and $OUT/costs.json (each
-# run's, in order); the kernel caches to $OUT/fiws.txz. The first
+# COSTS_FLAGS, e.g. "--shape builtin"), the trees in name order with head last, in
+# reverse in even rounds (ab_trees.sh says why). Everything printed goes to $OUT/ab.log; the JSON to
+# $OUT/attn_NAME.json and $OUT/costs.json (each run's, in order); the kernel caches to
+# $OUT/fiws.txz. The first
 # step-cost run of a commit whose kernels are not in the carried cache compiles them (up
 # to about 3 minutes). With PROFILE=1, one more step-cost run each under torch.profiler
 # (--profile: per-kernel tables of 5 calls of each step, kernel counts included), packed
@@ -20,15 +21,7 @@
 set -uo pipefail
 runs=${1:-2}
 source bench/device/setup.sh
-root=$PWD
-declare -A src=([head]="$root")
-trees=()
-for dir in .out/ab/*/; do
-    name=$(basename "$dir")
-    if [ -f "$dir/REV" ] && [ "$name" != head ]; then src[$name]="$root/$dir"; trees+=("$name"); fi
-done
-if [ "${#trees[@]}" -eq 0 ]; then echo "nothing in .out/ab: run bench/device/ab_prepare.sh REV [NAME] here first"; exit 2; fi
-trees+=(head)
+source bench/device/ab_trees.sh
 for name in "${trees[@]}"; do
     echo "$name: $(cat "${src[$name]}/REV" 2>/dev/null || echo the working tree)"
 done | tee "$OUT/ab.log"
@@ -47,7 +40,8 @@ if [ "${ATTN:-1}" = 1 ]; then
 fi
 mkdir -p /tmp/costs
 for i in $(seq 1 "$runs"); do
-    for which in "${trees[@]}"; do
+    round_order "$i"
+    for which in "${order[@]}"; do
         bench "$which" 240 bench_step_costs.py ${COSTS_FLAGS:-} \
             --out-json "/tmp/costs/${i}_$which.json"
     done

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # On the GPU machine, one lease: bench_speculation.py on the built-in pair (EAGLE-3, bf16,
 # 40 held-out prompts of 128 tokens, 3 runs a mode), other commits' code (each in
-# .out/ab/NAME, from ab_prepare.sh) against the working tree ("head"), alternated by round,
-# so that a change of plain decoding's speed between commits is told apart from a change of
-# machine (sessions 25 and 26 measured OFF's step at 0.288 and 0.321 ms, on two machines).
+# .out/ab/NAME, from ab_prepare.sh) against the working tree ("head"), alternated by round
+# (in reverse in even rounds: bench/device/ab_trees.sh), so that a change of plain
+# decoding's speed between commits is told apart from a change of machine (sessions 25
+# and 26 measured OFF's step at 0.288 and 0.321 ms, on two machines).
 # bench/device/ab.sh is the same for bench_step_costs.py. Carry ".whl" and ".out"; limit 600 s:
 #     ROUNDS=2 bash bench/device/ab_speculation.sh [bench_speculation.py's mode flags]
 # The flags default to --shapes auto-off (OFF, and AUTO requests under a policy that never
@@ -11,28 +12,19 @@
 # the working tree's. Everything goes to $OUT/ab_spec.log.
 set -uo pipefail
 source bench/device/setup.sh
-root=$PWD
+source bench/device/ab_trees.sh
 rounds=${ROUNDS:-2}
 modes=("$@")
 if [ "${#modes[@]}" -eq 0 ]; then modes=(--shapes auto-off); fi
-declare -A src=([head]="$root")
-trees=()
-for dir in .out/ab/*/; do
-    name=$(basename "$dir")
-    if [ -f "$dir/REV" ]; then
-        src[$name]="$root/$dir"
-        trees+=("$name")
-        rm -rf "$dir/splitspec/builtin/models" && ln -s "$root/splitspec/builtin/models" \
-            "$dir/splitspec/builtin/models"
+for which in "${trees[@]}"; do  # every tree serves the working tree's built-in weights
+    if [ "$which" != head ]; then
+        rm -rf "${src[$which]}/splitspec/builtin/models"
+        ln -s "$root/splitspec/builtin/models" "${src[$which]}/splitspec/builtin/models"
     fi
 done
-if [ "${#trees[@]}" -eq 0 ]; then
-    echo "nothing in .out/ab: run bench/device/ab_prepare.sh REV here first"
-    exit 2
-fi
-trees+=(head)
 for i in $(seq 1 "$rounds"); do
-    for which in "${trees[@]}"; do
+    round_order "$i"
+    for which in "${order[@]}"; do
         rev=$(cat "${src[$which]}/REV" 2>/dev/null || echo the working tree)
         echo "== round $i, $which ($rev)" | tee -a "$OUT/ab_spec.log"
         (cd "${src[$which]}/bench" && PYTHONPATH="$root/.site:${src[$which]}" timeout 240 \
