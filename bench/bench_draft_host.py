@@ -14,7 +14,7 @@ taken from one eager search of the same head, so the pick of the best tree has r
 candidates. The head has random weights (the eager search needs some); ``--shape 8b`` is
 the EAGLE-3 head of a Llama-3.1-8B-shaped target in bfloat16 (1.3 GB of memory).
 
-    python bench/bench_draft_host.py                          # built-in shape, 3 repeats
+    python bench/bench_draft_host.py                          # built-in shape, 5 repeats
     python bench/bench_draft_host.py --shape 8b --calls 2000 --out-json /tmp/draft_host.json
     python bench/bench_draft_host.py --profile                # cProfile of one repeat
 """
@@ -154,8 +154,9 @@ def main() -> int:
                 drafter.draft(session, [item])
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
-    print(f"draft call host work, {args.shape} shape, {tree}: median {statistics.median(per_call):.1f}"
-          f" us ({', '.join(f'{t:.1f}' for t in per_call)})")
+    runs = ", ".join(f"{t:.1f}" for t in per_call)
+    print(f"draft call host work, {args.shape} shape, {tree}: median "
+          f"{statistics.median(per_call):.1f} us ({runs})")
     if args.out_json:
         args.out_json.write_text(json.dumps({"command": " ".join(sys.argv), "shape": args.shape,
                                              "us_per_call": per_call}, indent=1))

@@ -106,6 +106,19 @@ def test_gemv_refuses_what_it_cannot_multiply():
         gemv(torch.zeros(1, 16), w, GemvConfig(block_n=6))
 
 
+def test_embed_norm_pair_refuses_mismatched_inputs():
+    """An EAGLE-3 layer's input kernel takes ids [T], a table [V, H] and states [T, H] of
+    the table's dtype; anything else is refused before a launch."""
+    from splitspec.kernels.fused_ops import embed_norm_pair
+
+    table, w = torch.zeros(11, 8), torch.ones(8)
+    ids, states = torch.zeros(3, dtype=torch.int64), torch.zeros(3, 8)
+    for bad_ids, bad_states in ((ids, states.double()), (ids[:2], states),
+                                (ids.view(3, 1), states), (ids, states[:, :4])):
+        with pytest.raises(ValueError, match=r"want \[T\], \[V, H\], \[T, H\] of one dtype"):
+            embed_norm_pair(bad_ids, table, bad_states, w, w, 1e-5, 1e-5)
+
+
 def test_top_logprobs_kernels_refuse_what_they_do_not_take():
     from splitspec.kernels.top_logprobs import MAX_K, top_logprobs_kernels
 

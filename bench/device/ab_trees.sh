@@ -11,7 +11,10 @@ declare -A src=([head]="$root")
 trees=()
 for dir in .out/ab/*/; do
     name=$(basename "$dir")
-    if [ -f "$dir/REV" ] && [ "$name" != head ]; then src[$name]="$root/${dir%/}"; trees+=("$name"); fi
+    if [ -f "$dir/REV" ] && [ "$name" != head ]; then
+        src[$name]="$root/${dir%/}"
+        trees+=("$name")
+    fi
 done
 if [ "${#trees[@]}" -eq 0 ]; then
     echo "nothing in .out/ab: run bench/device/ab_prepare.sh REV [NAME] here first"

@@ -4,12 +4,13 @@
 
 Runs SCRIPT with five methods wrapped in perf_counter stamps (about 1 us each, no
 synchronisation added): ``Drafter.draft`` (the call), ``CUDAGraph.replay`` inside it (the
-launch), ``TreeSearch._read`` (the read-back: it waits for the graph) and
-``Candidates.best_tree``. At exit it prints, over every draft call that replayed the catch-up-and-search graph,
-the medians of: the host work before the launch, the launch, the wait for the read-back,
-the host work after it (the pick of the best tree included) and the whole call. torch's
-profiler stretches a graph launch (0.38 ms under it against 0.01-0.04 ms without, on the
-H200), so this is how the call's time outside the graph is split.
+launch), ``TreeSearch.run_caught_up``, ``TreeSearch._read`` (the read-back: it waits for
+the graph) and ``Candidates.best_tree``. At exit it prints, over every draft call that
+replayed the catch-up-and-search graph, the medians of: the host work before the launch,
+the launch, the wait for the read-back, the host work after it (the pick of the best tree
+included) and the whole call. torch's profiler stretches a graph launch (0.38 ms under it
+against 0.01-0.04 ms without, on the H200), so this is how the call's time outside the
+graph is split.
 """
 
 from __future__ import annotations

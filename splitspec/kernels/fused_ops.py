@@ -32,7 +32,8 @@ import triton.language as tl
 from splitspec.kernels.gemv import linear
 from splitspec.kernels.top_logprobs import top_logprobs
 
-__all__ = ["add_rms_norm", "embed_norm_pair", "linear", "rms_norm", "rope", "silu_mul", "store_kv", "top_logprobs"]
+__all__ = ["add_rms_norm", "embed_norm_pair", "linear", "rms_norm", "rope", "silu_mul",
+           "store_kv", "top_logprobs"]
 
 
 @triton.jit
@@ -110,7 +111,8 @@ def embed_norm_pair(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor
                     eps_hidden: float) -> torch.Tensor:
     """[w_embed * normalise(table[ids]) ‖ w_hidden * normalise(hidden)]: [T, 2H] for ids [T],
     table [V, H] and hidden [T, H] of table's dtype, in one kernel."""
-    if table.dtype != hidden.dtype or ids.dim() != 1 or hidden.shape != (ids.shape[0], table.shape[1]):
+    rows = ids.shape[0] if ids.dim() == 1 else -1
+    if table.dtype != hidden.dtype or hidden.shape != (rows, table.shape[1]):
         raise ValueError(f"ids {tuple(ids.shape)}, table {tuple(table.shape)} {table.dtype} and "
                          f"hidden {tuple(hidden.shape)} {hidden.dtype}: want [T], [V, H], [T, H] "
                          "of one dtype")
