@@ -48,10 +48,13 @@ PAGE = 16
 
 
 class StubGraph:
-    """A captured graph's stand-in: replaying it does nothing."""
+    """A captured graph's stand-in: replaying it does nothing but count."""
+
+    def __init__(self) -> None:
+        self.replays = 0
 
     def replay(self) -> None:
-        pass
+        self.replays += 1
 
 
 def build(args: argparse.Namespace) -> tuple[Drafter, TreeShape, AttentionShape]:
@@ -81,7 +84,7 @@ def build(args: argparse.Namespace) -> tuple[Drafter, TreeShape, AttentionShape]
 
 
 def stand_in_graph(drafter: Drafter, session: Session, tree: TreeShape, shape: AttentionShape,
-                   context: int) -> None:
+                   context: int) -> StubGraph:
     """Prefill sequence 1 of session with context tokens (eagerly), keep its search's packed
     candidates, and give the search a stand-in catch-up graph of one sequence that "writes"
     them."""
@@ -100,9 +103,11 @@ def stand_in_graph(drafter: Drafter, session: Session, tree: TreeShape, shape: A
     prefix = TablePrefix(shape, "cpu", 1, max(width, k), -(-max_context // PAGE))
     chain = ChainInputs(1, width, k, model.feature_dim, model.dtype, "cpu")
     roots = torch.zeros(1, model.state_width, dtype=model.dtype)
-    search.caught_up[GraphKey(1, k, tree.num_steps)] = _Graph(StubGraph(), prefix, roots,
+    graph = StubGraph()
+    search.caught_up[GraphKey(1, k, tree.num_steps)] = _Graph(graph, prefix, roots,
                                                               chain.chain.last, packed[-1], chain)
     search._buckets = (1,)
+    return graph
 
 
 def main() -> int:
@@ -124,7 +129,7 @@ def main() -> int:
     with torch.inference_mode():
         drafter, tree, shape = build(args)
         session = drafter.open_session()
-        stand_in_graph(drafter, session, tree, shape, args.context)
+        graph = stand_in_graph(drafter, session, tree, shape, args.context)
         model = drafter.model
         generator = torch.Generator().manual_seed(1)
         start = args.context
@@ -145,6 +150,9 @@ def main() -> int:
             per_call.append(1e6 * (time.perf_counter() - began) / args.calls)
             if result.error or result.tree.num_nodes != args.tree_nodes:
                 raise RuntimeError(f"drafting failed: {result.error or result.tree}")
+            if graph.replays != len(per_call) * args.calls:  # else it timed the eager path
+                raise RuntimeError(f"{graph.replays} of {len(per_call) * args.calls} calls "
+                                   "took the stand-in graph")
             print(f"{args.calls} calls: {per_call[-1]:.1f} us a call", flush=True)
         if args.profile:
             items = calls(args.calls)
