@@ -1,6 +1,6 @@
-"""The draft's host time per call, apart from the device: ``Drafter.draft`` for one sequence
-(one committed token with its features, then an EAGLE-3 tree) on the CPU, over the path a
-captured catch-up-and-search graph takes, with the graph's replay stubbed.
+"""The draft's host time per call, apart from the device: ``Drafter.draft`` for --seqs
+sequences (each one committed token with its features, then an EAGLE-3 tree) on the CPU,
+over the path a captured catch-up-and-search graph takes, with the graph's replay stubbed.
 
 On the H200 the call's host work runs while the device is idle, so every microsecond of it
 is a microsecond of the draft's step: at the 8B shape, 0.14-0.32 ms before the graph's launch
@@ -16,6 +16,7 @@ the EAGLE-3 head of a Llama-3.1-8B-shaped target in bfloat16 (1.3 GB of memory).
 
     python bench/bench_draft_host.py                          # built-in shape, 5 repeats
     python bench/bench_draft_host.py --shape 8b --calls 2000 --out-json /tmp/draft_host.json
+    python bench/bench_draft_host.py --seqs 64 --context 16   # a 64-sequence bucket
     python bench/bench_draft_host.py --profile                # cProfile of one repeat
 """
 
@@ -71,42 +72,43 @@ def build(args: argparse.Namespace) -> tuple[Drafter, TreeShape, AttentionShape]
     model = Eagle3Draft(head)
     layer = cfg.layer
     max_context = args.context + args.calls * (args.repeats + 1) + 64
-    pages = 2 * -(-max_context // PAGE)
+    pages = 2 * -(-max_context // PAGE) * args.seqs
     cache = KVCache(1, pages, PAGE, layer.num_kv_heads, layer.head_dim, dtype, "cpu")
     shape = AttentionShape(layer.num_heads, layer.num_kv_heads, layer.head_dim, PAGE, dtype)
     backend = make_backend("torch", shape, "cpu")
     pool = PagePool(pages)
     search = TreeSearch(model, cache, prefix_attention_for(backend))
-    limits = DrafterLimits(max_running=4, max_context=max_context, max_tree_nodes=64)
+    limits = DrafterLimits(max_running=args.seqs, max_context=max_context, max_tree_nodes=64)
     drafter = Drafter(model, cache, pool, backend, limits, search)
     tree = TreeShape(args.tree_nodes, args.topk, args.depth)
     return drafter, tree, shape
 
 
 def stand_in_graph(drafter: Drafter, session: Session, tree: TreeShape, shape: AttentionShape,
-                   context: int) -> StubGraph:
-    """Prefill sequence 1 of session with context tokens (eagerly), keep its search's packed
-    candidates, and give the search a stand-in catch-up graph of one sequence that "writes"
-    them."""
+                   context: int, seqs: int) -> StubGraph:
+    """Prefill sequences 1 .. seqs of session with context tokens each (eagerly), keep the
+    search's packed candidates, and give the search a stand-in catch-up graph of that many
+    sequences that "writes" them."""
     model, search = drafter.model, drafter.search
     read = TreeSearch._read
     packed: list[torch.Tensor] = []
     TreeSearch._read = staticmethod(lambda p: (packed.append(p.clone()), read(p))[1])
     try:
-        drafter.draft(session, [warmup_inputs(model, 1, 0, list(range(context)), tree,
-                                              torch.Generator().manual_seed(0))])
+        generator = torch.Generator().manual_seed(0)
+        drafter.draft(session, [warmup_inputs(model, seq, 0, list(range(seq, seq + context)),
+                                              tree, generator) for seq in range(1, seqs + 1)])
     finally:
         TreeSearch._read = staticmethod(read)
     search.use_pad_page(drafter.pool.allocate(1)[0])
     width, k = tree.num_steps + 1, tree.topk
     max_context = drafter.limits.max_context
-    prefix = TablePrefix(shape, "cpu", 1, max(width, k), -(-max_context // PAGE))
-    chain = ChainInputs(1, width, k, model.feature_dim, model.dtype, "cpu")
-    roots = torch.zeros(1, model.state_width, dtype=model.dtype)
+    prefix = TablePrefix(shape, "cpu", seqs, max(width, k), -(-max_context // PAGE))
+    chain = ChainInputs(seqs, width, k, model.feature_dim, model.dtype, "cpu")
+    roots = torch.zeros(seqs, model.state_width, dtype=model.dtype)
     graph = StubGraph()
-    search.caught_up[GraphKey(1, k, tree.num_steps)] = _Graph(graph, prefix, roots,
-                                                              chain.chain.last, packed[-1], chain)
-    search._buckets = (1,)
+    search.caught_up[GraphKey(seqs, k, tree.num_steps)] = _Graph(
+        graph, prefix, roots, chain.chain.last, packed[-1], chain)
+    search._buckets = (seqs,)
     return graph
 
 
@@ -115,6 +117,7 @@ def main() -> int:
     parser.add_argument("--shape", choices=["8b", "builtin"], default="builtin")
     parser.add_argument("--dtype", default=None, help="default: bfloat16 at 8b, float32 builtin")
     parser.add_argument("--context", type=int, default=512, help="tokens before the timed calls")
+    parser.add_argument("--seqs", type=int, default=1, help="sequences a call (the bucket)")
     parser.add_argument("--tree-nodes", type=int, default=8)
     parser.add_argument("--topk", type=int, default=4)
     parser.add_argument("--depth", type=int, default=5)
@@ -129,15 +132,16 @@ def main() -> int:
     with torch.inference_mode():
         drafter, tree, shape = build(args)
         session = drafter.open_session()
-        graph = stand_in_graph(drafter, session, tree, shape, args.context)
+        graph = stand_in_graph(drafter, session, tree, shape, args.context, args.seqs)
         model = drafter.model
         generator = torch.Generator().manual_seed(1)
         start = args.context
 
-        def calls(n: int) -> list[SeqInput]:  # one more committed token each, with features
+        def calls(n: int) -> list[list[SeqInput]]:  # a committed token a sequence, with features
             nonlocal start
-            items = [warmup_inputs(model, 1, start + i, [(start + i) % model.vocab_size], tree,
-                                   generator) for i in range(n)]
+            items = [[warmup_inputs(model, seq, start + i, [(start + i) % model.vocab_size], tree,
+                                    generator) for seq in range(1, args.seqs + 1)]
+                     for i in range(n)]
             start += n
             return items
 
@@ -146,7 +150,7 @@ def main() -> int:
             items = calls(args.calls)
             began = time.perf_counter()
             for item in items:
-                (result,) = drafter.draft(session, [item])
+                *_, result = drafter.draft(session, item)
             per_call.append(1e6 * (time.perf_counter() - began) / args.calls)
             if result.error or result.tree.num_nodes != args.tree_nodes:
                 raise RuntimeError(f"drafting failed: {result.error or result.tree}")
@@ -159,15 +163,16 @@ def main() -> int:
             profiler = cProfile.Profile()
             profiler.enable()
             for item in items:
-                drafter.draft(session, [item])
+                drafter.draft(session, item)
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     runs = ", ".join(f"{t:.1f}" for t in per_call)
-    print(f"draft call host work, {args.shape} shape, {tree}: median "
+    print(f"draft call host work, {args.shape} shape, {args.seqs} sequence(s), {tree}: median "
           f"{statistics.median(per_call):.1f} us ({runs})")
     if args.out_json:
         args.out_json.write_text(json.dumps({"command": " ".join(sys.argv), "shape": args.shape,
-                                             "us_per_call": per_call}, indent=1))
+                                             "seqs": args.seqs, "us_per_call": per_call},
+                                            indent=1))
     return 0
 
 

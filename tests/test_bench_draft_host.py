@@ -12,8 +12,9 @@ REPO = Path(__file__).resolve().parent.parent
 def test_the_bench_times_calls_through_the_stand_in_graph(tmp_path):
     out = tmp_path / "draft_host.json"
     done = subprocess.run([sys.executable, "bench/bench_draft_host.py", "--context", "40",
-                           "--calls", "20", "--repeats", "2", "--out-json", str(out)],
+                           "--calls", "20", "--repeats", "2", "--seqs", "2",
+                           "--out-json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
-    assert "draft call host work, builtin shape" in done.stdout
+    assert "draft call host work, builtin shape, 2 sequence(s)" in done.stdout
     runs = json.loads(out.read_text())["us_per_call"]
     assert len(runs) == 2 and all(us > 0 for us in runs)

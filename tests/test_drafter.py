@@ -806,3 +806,32 @@ def test_chain_inputs_pad_and_reset_rows_between_fills():
         inputs.fill([CatchUp(a, 1, [1], None)], pad_slot=0)
     with pytest.raises(IndexError, match="reserved"):  # past the pages the table holds
         inputs.fill([CatchUp(a, 7, [1, 2], None), CatchUp(b, 1, [1], None)], pad_slot=0)
+
+
+def test_chain_inputs_send_what_a_fresh_fill_would():
+    """After any run of ChainInputs fills (catch-ups of 1-4 entries, with and without
+    features), what a graph reads is what one fill of fresh inputs would have sent: nothing
+    an earlier fill wrote is left behind."""
+    from draft_service.tree_search import CatchUp, ChainInputs
+
+    gen = torch.Generator().manual_seed(5)
+    tables = [PageTable(4, [3 * b, 3 * b + 1, 3 * b + 2], 12) for b in range(3)]
+
+    def fills(count: int):
+        for _ in range(count):
+            seqs = []
+            for table in tables:
+                num = int(torch.randint(1, 5, (), generator=gen))
+                first = int(torch.randint(0, 12 - num + 1, (), generator=gen))
+                given = torch.randn(num, 5, generator=gen)
+                with_features = bool(torch.rand((), generator=gen) < 0.7)
+                seqs.append(CatchUp(table, first, list(range(1, num + 1)),
+                                    given if with_features else None))
+            yield seqs
+
+    inputs = ChainInputs(3, 4, 2, 5, torch.float32, "cpu")
+    for seqs in fills(40):
+        inputs.fill(seqs, pad_slot=40)
+        fresh = ChainInputs(3, 4, 2, 5, torch.float32, "cpu")
+        fresh.fill(seqs, pad_slot=40)
+        assert torch.equal(inputs.sent, fresh.sent)
