@@ -37,6 +37,15 @@ __all__ = ["add_rms_norm", "embed_norm_pair", "linear", "rms_norm", "rope", "sil
 
 
 @triton.jit
+def _store_normed(dst, h, w, eps, N: tl.constexpr, keep):
+    """Store w * normalise(h) (float32 rows, masked by keep) at dst, rounded as torch's RMSNorm
+    rounds: the normalised row to dst's dtype, then the product."""
+    scale = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
+    normed = (h * scale).to(dst.dtype.element_ty).to(tl.float32)
+    tl.store(dst, (normed * w).to(dst.dtype.element_ty), mask=keep)
+
+
+@triton.jit
 def _norm_kernel(x, residual, weight, out, residual_out, eps, N: tl.constexpr,
                  BLOCK: tl.constexpr, ADD: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -48,10 +57,8 @@ def _norm_kernel(x, residual, weight, out, residual_out, eps, N: tl.constexpr,
         h = h.to(residual_out.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(residual_out + row * N + cols, h, mask=keep)
         h = h.to(tl.float32)
-    scale = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)
-    normed = (h * scale).to(out.dtype.element_ty).to(tl.float32)
     w = tl.load(weight + cols, mask=keep, other=0.0).to(tl.float32)
-    tl.store(out + row * N + cols, (normed * w).to(out.dtype.element_ty), mask=keep)
+    _store_normed(out + row * N + cols, h, w, eps, N, keep)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -100,10 +107,7 @@ def _norm_pair_kernel(ids, table, table_row, hidden, hidden_row, w_embed, w_hidd
         h = tl.load(hidden + row * hidden_row + cols, mask=keep, other=0.0).to(tl.float32)
         w = tl.load(w_hidden + cols, mask=keep, other=0.0).to(tl.float32)
         eps = eps_hidden
-    scale = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / N + eps)  # as _norm_kernel rounds
-    normed = (h * scale).to(out.dtype.element_ty).to(tl.float32)
-    tl.store(out + row * 2 * N + half * N + cols, (normed * w).to(out.dtype.element_ty),
-             mask=keep)
+    _store_normed(out + row * 2 * N + half * N + cols, h, w, eps, N, keep)
 
 
 def embed_norm_pair(ids: torch.Tensor, table: torch.Tensor, hidden: torch.Tensor,
