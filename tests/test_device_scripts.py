@@ -1,5 +1,6 @@
-"""The device scripts' shared A/B helper (bench/device/ab_trees.sh), run with bash: which
-code trees an A/B call compares, and the order each round runs them in."""
+"""The device scripts' shell helpers, run with bash: the A/B helper (bench/device/ab_trees.sh:
+which code trees an A/B call compares, and the order each round runs them in) and setup.sh's
+link of the carried flashinfer kernels (bench/device/aot_links.sh)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,44 @@ def test_ab_trees_stops_the_call_when_nothing_is_prepared(tmp_path):
     done = _run(tmp_path)
     assert done.returncode == 2
     assert "ab_prepare.sh" in done.stdout
+
+
+LINK = """set -u
+source bench/device/aot_links.sh
+link_cached_kernels site fiws
+"""
+
+
+def test_cached_flashinfer_kernels_are_linked_into_the_aot_folder_once(tmp_path):
+    """setup.sh's link_cached_kernels: each NAME/NAME.so of the carried cache appears where
+    flashinfer loads AOT modules without a build; anything else, and a module the AOT
+    folder already has, is left alone."""
+    (tmp_path / "bench" / "device").mkdir(parents=True)
+    shutil.copy(REPO / "bench" / "device" / "aot_links.sh", tmp_path / "bench" / "device")
+    ops = tmp_path / "fiws" / ".cache" / "flashinfer" / "0.7.2.post1" / "90a" / "cached_ops"
+    for name in ("batch_decode_x", "quantization", "shipped"):
+        (ops / name).mkdir(parents=True)
+        (ops / name / f"{name}.so").write_text(name)
+    (ops / "half_built").mkdir()
+    (ops / "half_built" / "half_built.cuda.o").write_text("object")  # no .so: not linked
+    (ops / "odd").mkdir()
+    (ops / "odd" / "other.so").write_text("odd")  # not NAME.so: not linked
+    aot = tmp_path / "site" / "flashinfer" / "data" / "aot"
+    (aot / "shipped").mkdir(parents=True)
+    (aot / "shipped" / "shipped.so").write_text("from the wheel")
+
+    first = subprocess.run(["bash", "-c", LINK], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=30)
+    assert first.returncode == 0, first.stderr
+    assert "linked from the carried cache: 2" in first.stdout
+    assert sorted(p.name for p in aot.iterdir()) == ["batch_decode_x", "quantization", "shipped"]
+    for name in ("batch_decode_x", "quantization"):
+        link = aot / name / f"{name}.so"
+        assert link.is_symlink() and link.read_text() == name
+        assert link.resolve() == (ops / name / f"{name}.so").resolve()
+    assert (aot / "shipped" / "shipped.so").read_text() == "from the wheel"
+
+    again = subprocess.run(["bash", "-c", LINK], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=30)  # a warm machine runs setup.sh again
+    assert again.returncode == 0, again.stderr
+    assert "linked from the carried cache: 0" in again.stdout

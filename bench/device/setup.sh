@@ -3,7 +3,8 @@
 #     source bench/device/setup.sh
 # Unpacks the carried packages (.whl/site.txz) into .site (there is no index there), puts
 # .site and the repository on PYTHONPATH, and points flashinfer's JIT cache and Triton's
-# kernel cache into .fiws, restored from .out/fiws.txz when carried. save_kernel_cache
+# kernel cache into .fiws, restored from .out/fiws.txz when carried (flashinfer's kernels
+# linked where it loads them without a build: aot_links.sh). save_kernel_cache
 # writes .fiws back to $OUT/fiws.txz: copy it to .out/ here for the next call.
 mkdir -p .site && tar -xJf .whl/site.txz -C .site --strip-components=1
 export PYTHONPATH="$PWD/.site:$PWD"
@@ -11,6 +12,8 @@ export FLASHINFER_WORKSPACE_BASE="$PWD/.fiws"
 export TRITON_CACHE_DIR="$PWD/.fiws/triton"
 mkdir -p .fiws
 if [ -f .out/fiws.txz ]; then tar -xJf .out/fiws.txz -C .fiws; fi
+source bench/device/aot_links.sh
+link_cached_kernels .site .fiws
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__, 'gpus', torch.cuda.device_count())"
 
