@@ -105,6 +105,7 @@ class _Call(NamedTuple):
 class _ForwardResult(NamedTuple):
     prefill_tokens: list[int]     # the token after each prompt, prefill order
     accepted: list[Acceptance]    # each decoding sequence's accepted path and tokens, decode order
+    launched: float               # perf_counter() once the runner had launched the forward
 
 
 class _Early(NamedTuple):
@@ -462,6 +463,7 @@ class Engine:
             speculated=speculated, tree_budget=budget if speculated else 0,
             drafted_tokens=drafted, accepted_tokens=accepted,
             draft_s=forward_start - draft_start, forward_s=forward_end - forward_start,
+            forward_launch_s=result.launched - forward_start,
             total_s=end - start, waiting=len(self.scheduler.waiting),
             draft_compute_s=self._draft_compute_s, period_s=end - period_start,
             committed_tokens=committed, graphed=self.runner.last_graphed,
@@ -485,7 +487,9 @@ class Engine:
                 "splitspec.tree_size": stats.drafted_tokens,
                 "splitspec.accepted_tokens": stats.accepted_tokens,
                 "splitspec.draft_s": stats.draft_s, "splitspec.draft_compute_s": stats.draft_compute_s,
-                "splitspec.forward_s": stats.forward_s, "splitspec.total_s": stats.total_s})
+                "splitspec.forward_s": stats.forward_s,
+                "splitspec.forward_launch_s": stats.forward_launch_s,
+                "splitspec.total_s": stats.total_s})
 
     def _step_span(self, seqs: list[Sequence]) -> object:
         """The step's span: a child of its oldest sequence's span, linked to all of them."""
@@ -681,9 +685,10 @@ class Engine:
             logit_rows.extend(range(starts[i], starts[i + 1]))
         logits = self.runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), attn,
                                                   logit_rows, self.capture))
+        launched = time.perf_counter()
         with torch.inference_mode():
             prefill_tokens, accepted = self._choose(logits, prefill, decode, trees)
-        return _ForwardResult(prefill_tokens, accepted)
+        return _ForwardResult(prefill_tokens, accepted, launched)
 
     def _choose(self, logits: torch.Tensor, prefill: list[Sequence], decode: list[Sequence],
                 trees: dict[int, Tree]) -> tuple[list[int], list[Acceptance]]:

@@ -87,6 +87,37 @@ def test_step_stats_say_whether_the_forward_replayed_a_graph(graphed):
         assert engine.last_stats.batch_size == 1 and engine.last_stats.graphed == graphed
 
 
+class LateLogits(torch.Tensor):
+    """Logits whose first read (the argmax) waits 30 ms: a forward's device work, launched
+    by the runner and still running when it returns."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.argmax:
+            time.sleep(0.03)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class LaunchingRunner(NullRunner):
+    """Each forward spends 20 ms on the host launching it, then leaves 30 ms to the device."""
+
+    def forward(self, batch):
+        time.sleep(0.02)
+        return super().forward(batch).as_subclass(LateLogits)
+
+
+def test_step_stats_split_the_forward_at_its_launch():
+    """forward_launch_s is the host's part of forward_s up to the runner's return (the
+    launch); the wait for the device after it is in forward_s only."""
+    with running_engine(LaunchingRunner(), PagePool(8)) as engine:
+        tokens, _ = engine.generate([3, 1, 4], 2, common_pb2.SPECULATION_MODE_OFF)
+        assert len(tokens) == 2
+        stats = engine.last_stats
+        assert stats.batch_size == 1
+        assert stats.forward_launch_s >= 0.02
+        assert stats.forward_s - stats.forward_launch_s >= 0.03
+
+
 class CheckedFeatures(NullRunner):
     """A stand-in whose cache keeps features, as a target serving an EAGLE-3 draft does: each
     forward writes every new token's [position, token] at its slot, and the compaction and
