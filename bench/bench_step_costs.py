@@ -12,7 +12,9 @@ of that target's shape (one layer, draft vocabulary 32000), after a prompt of
 - with graphs (flashinfer), both calls again without them (``*_eager_ms``), and the decode
   graph replayed alone: synchronised after each replay (``decode_replay_ms``), queued back
   to back so each launch overlaps the replay before (``decode_replay_queued_ms``: the
-  device's time), and the host's time to launch one (``decode_launch_ms``);
+  device's time), and the host's time to launch one (``decode_launch_ms``); and the decode
+  call's host time until it returns, its replay launched and not waited for
+  (``decode_call_host_ms``: the in-process side of the served stack's ``forward_launch_s``);
 - draft: the draft's Drafter.draft for one sequence: catch up one token (with
   its features) and draft a tree of --tree-nodes nodes, topk --topk, depth
   --depth, as the draft service does for every step; with graphs the catch-up
@@ -153,14 +155,20 @@ def device_and_launch(graph: torch.cuda.CUDAGraph, args: argparse.Namespace
             graph.replay()
 
     device = [t / QUEUED_REPLAYS for t in timed(queued, 1, max(args.iters // 5, 3), args.device)]
-    launches = []
-    for _ in range(args.iters):
+    return device, host_ms(graph.replay, args.iters)
+
+
+def host_ms(fn: Callable[[], object], iters: int) -> list[float]:
+    """The host's milliseconds in each of iters calls of fn on an idle device (synchronised
+    before each call, not after: what the call leaves queued is not waited for)."""
+    times = []
+    for _ in range(iters):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        graph.replay()
-        launches.append(1000 * (time.perf_counter() - start))
+        fn()
+        times.append(1000 * (time.perf_counter() - start))
     torch.cuda.synchronize()
-    return device, launches
+    return times
 
 
 def draft_floor_ms(cfg: Eagle3Config, depth: int, dtype: torch.dtype) -> float:
@@ -250,6 +258,14 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
         print(f"target decode graph: {statistics.median(queued):.3f} ms a replay queued back to "
               f"back (the device's time), launch {statistics.median(launches):.3f} ms of host "
               "time", flush=True)
+        # the served stack's forward_launch_s counts the same host work (and the engine's
+        # two input tensors): ModelRunner.forward until it returns, with the graphs
+        runner.graphs = graphs  # (the loop above left the last engine's)
+        result["decode_call_host_ms"] = host_ms(lambda: runner.forward(decode), args.iters)
+        if not runner.last_graphed:
+            raise RuntimeError("the decode call's host time was taken without its graph")
+        print(f"target decode call: {statistics.median(result['decode_call_host_ms']):.3f} ms "
+              "of host time until it returns (the replay launched, not waited for)", flush=True)
     return result
 
 
