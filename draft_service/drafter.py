@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 import torch
 
 from draft_service.models import DraftModel, EntrySpan
-from draft_service.tree_search import CatchUp, TreeSearch
+from draft_service.tree_search import CatchUp, TreeSearch, WireFeatures
 from splitspec.attention.base import AttentionBackend, SeqAttention
 from splitspec.attention.decode_table import prefix_attention_for
 from splitspec.kv_cache import KVCache, OutOfPages, PagePool, PageTable
@@ -132,7 +132,7 @@ class Session:
 class _Extend(NamedTuple):
     state: SeqState
     span: EntrySpan
-    features: torch.Tensor | None  # [len(span.tokens), feature_dim]
+    features: WireFeatures | None  # [len(span.tokens), feature_dim]
 
 
 def encode_features(features: torch.Tensor) -> tuple[bytes, int, str]:
@@ -142,22 +142,21 @@ def encode_features(features: torch.Tensor) -> tuple[bytes, int, str]:
             str(rows.dtype).removeprefix("torch."))
 
 
-def decode_features(data: bytes, rows: int, width: int, hidden_dim: int, dtype: str) -> torch.Tensor:
-    """Target features [rows, width] from raw row-major bytes; SeqError when they do not fit."""
+def wire_features(data: bytes, rows: int, width: int, hidden_dim: int, dtype: str
+                  ) -> WireFeatures:
+    """Target features [rows, width] in raw row-major bytes, checked (not copied); SeqError
+    when they do not fit."""
     if dtype not in DTYPES:
         raise SeqError(f"hidden_states dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if hidden_dim != width:
         raise SeqError(f"hidden_dim {hidden_dim} != {width} (3 x the target hidden size the "
                        "EAGLE-3 head was trained on)")
     torch_dtype = DTYPES[dtype]
-    itemsize = torch.empty((), dtype=torch_dtype).element_size()
+    itemsize = torch_dtype.itemsize
     if len(data) != rows * width * itemsize:
         raise SeqError(f"hidden_states has {len(data)} bytes; {rows} rows of {width} {dtype} "
                        f"need {rows * width * itemsize}")
-    if rows == 0:
-        return torch.empty(0, width, dtype=torch_dtype)
-    # bytearray: a writable copy (torch.frombuffer warns on read-only bytes).
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(torch_dtype).reshape(rows, width)
+    return WireFeatures(data, rows, width, torch_dtype)
 
 
 class _Candidates:
@@ -522,7 +521,7 @@ class Drafter(BaseDrafter):
         span = self.model.entries(item.start, item.new_tokens)
         features = None
         if self.model.feature_dim:
-            features = decode_features(item.hidden_states, len(span.tokens), self.model.feature_dim,
+            features = wire_features(item.hidden_states, len(span.tokens), self.model.feature_dim,
                                        item.hidden_dim, item.dtype)
         state = self._sync(session, item, state)
         if span.first < state.num_entries:  # rollback: the last entry's state is gone too
@@ -546,7 +545,7 @@ class Drafter(BaseDrafter):
             pos.append(torch.arange(first, first + num))
             attn.append(SeqAttention(ext.state.table, kv_len=first + num, q_len=num))
             if ext.features is not None:
-                feats.append(ext.features.to(self.model.dtype))
+                feats.append(ext.features.tensor().to(self.model.dtype))
         meta = self.backend.plan(attn, self.device)
         ctx = AttentionContext(self.backend, meta, self.cache)
         features = torch.cat(feats).to(self.device) if feats else None

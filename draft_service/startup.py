@@ -134,7 +134,8 @@ def warmup_inputs(model: DraftModel | None, seq_id: int, start: int, tokens: lis
     if model is None or not model.feature_dim:
         return SeqInput(seq_id, start, tokens, shape, sampling=sampling)
     rows = len(model.entries(start, tokens).tokens)
-    data, dim, dtype = encode_features(torch.randn(rows, model.feature_dim, generator=generator))
+    features = torch.randn(rows, model.feature_dim, generator=generator)
+    data, dim, dtype = encode_features(features.to(model.dtype))  # as a target of its dtype sends
     return SeqInput(seq_id, start, tokens, shape, data, dim, dtype, sampling)
 
 

@@ -140,13 +140,38 @@ class Candidates:
                     [0 if parents[c] < 0 else index[parents[c]] for c in kept])
 
 
+class WireFeatures(NamedTuple):
+    """Target features as a draft request carries them: ``rows`` x ``width`` values of
+    ``dtype``, row-major in ``data`` (their size checked where they are read, drafter.py's
+    ``wire_features``). They stay bytes until copied to where they go: once, straight into
+    the catch-up chain's host buffer (:meth:`ChainInputs.fill`), or into a tensor of their
+    own (:meth:`tensor`, the eager forward's)."""
+
+    data: bytes
+    rows: int
+    width: int
+    dtype: torch.dtype
+
+    def tensor(self) -> torch.Tensor:
+        """[rows, width], a writable copy."""
+        if not self.rows:
+            return torch.empty(0, self.width, dtype=self.dtype)
+        raw = torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+        return raw.view(self.dtype).reshape(self.rows, self.width)
+
+    def array(self) -> np.ndarray:
+        """[rows, width x item size] bytes, a read-only view of ``data`` (no copy)."""
+        return np.frombuffer(self.data, dtype=np.uint8).reshape(self.rows, -1)
+
+
 class CatchUp(NamedTuple):
     """One sequence's new entries, for :meth:`TreeSearch.run_caught_up`."""
 
     table: PageTable                # its pages, reserved through first + len(tokens)
     first: int                      # the first new entry's slot: the entries before it stay
     tokens: list[int]               # the new entries' tokens
-    features: torch.Tensor | None   # [len(tokens), feature_dim] on the host, or None
+    # [len(tokens), feature_dim] on the host (as received, or a tensor), or None
+    features: WireFeatures | torch.Tensor | None
 
 
 class GraphKey(NamedTuple):
@@ -198,7 +223,10 @@ class ChainInputs:
             return _Chain(**{"features": None, **found})
 
         self.host, self.chain = views(self._twin.host), views(self.sent)
-        host = self.host  # numpy views of the host's integer and boolean fields
+        host = self.host  # numpy views of the host's fields
+        if host.features is not None:  # as bytes: [n, feature_dim x item size]
+            self._feature_bytes = host.features.view(torch.uint8).numpy()
+        self._written = np.zeros(seqs, dtype=np.int64)  # each sequence's rows of features
         self._tokens, self._positions = host.tokens.numpy(), host.positions.numpy()
         self._slots, self._last_row = host.write_slots.numpy(), host.last_row.numpy()
         self._last, self._allowed = host.last.numpy().reshape(seqs, k), host.allowed.numpy()
@@ -229,19 +257,35 @@ class ChainInputs:
             counts.append(num)
             firsts.append(first)
             if seq.features is not None:
-                given.append((b * width, num, seq.features))
+                given.append((b, num, seq.features))
         self._twin.wait()
         self._tokens[:], self._positions[:], self._slots[:] = tokens, positions, slots
         counts_ = np.array(counts)
         self._last_row[:] = counts_ - 1
         self._last[:] = (np.array(firsts) + counts_ - 1)[:, None]
         self._allowed[:] = self._masks[counts_]
-        features = self.host.features
-        if features is not None:  # every row zero but the real entries' given features
-            features.zero_()
-            for row, num, given_features in given:
-                features[row:row + num] = given_features
+        if self.host.features is not None:
+            self._put_features(given)
         self._twin.send()
+
+    def _put_features(self, given: list[tuple[int, int, WireFeatures | torch.Tensor]]) -> None:
+        """Every row zero but the real entries' given features, as a fresh fill: each given
+        sequence's features go into its first rows (request bytes of the buffer's dtype in
+        one copy), and only the rows an earlier fill wrote and this one does not are zeroed
+        (zeroing all of it was 0.33 ms of a 64-sequence call at the 8B shape, on the CPU)."""
+        width, features, raw = self.width, self.host.features, self._feature_bytes
+        written = np.zeros_like(self._written)
+        for b, num, rows in given:
+            start = b * width
+            if isinstance(rows, WireFeatures) and rows.dtype == features.dtype:
+                raw[start:start + num] = rows.array()
+            else:
+                features[start:start + num] = (rows.tensor() if isinstance(rows, WireFeatures)
+                                               else rows)
+            written[b] = num
+        for b in np.flatnonzero(self._written > written).tolist():
+            raw[b * width + written[b]:b * width + self._written[b]] = 0
+        self._written = written
 
 
 @dataclass

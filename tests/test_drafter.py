@@ -810,12 +810,22 @@ def test_chain_inputs_pad_and_reset_rows_between_fills():
 
 def test_chain_inputs_send_what_a_fresh_fill_would():
     """After any run of ChainInputs fills (catch-ups of 1-4 entries, with and without
-    features), what a graph reads is what one fill of fresh inputs would have sent: nothing
+    features; features as a tensor, or as request bytes of the buffer's dtype or of
+    another), what a graph reads is what one fill of fresh inputs would have sent: nothing
     an earlier fill wrote is left behind."""
-    from draft_service.tree_search import CatchUp, ChainInputs
+    from draft_service.tree_search import CatchUp, ChainInputs, WireFeatures
 
     gen = torch.Generator().manual_seed(5)
     tables = [PageTable(4, [3 * b, 3 * b + 1, 3 * b + 2], 12) for b in range(3)]
+
+    def as_given(rows: torch.Tensor, kind: int) -> WireFeatures | torch.Tensor | None:
+        if kind == 0:
+            return None
+        if kind == 1:
+            return rows
+        dtype = torch.float32 if kind == 2 else torch.bfloat16
+        data = rows.to(dtype).view(torch.uint8).numpy().tobytes()
+        return WireFeatures(data, rows.shape[0], rows.shape[1], dtype)
 
     def fills(count: int):
         for _ in range(count):
@@ -824,9 +834,9 @@ def test_chain_inputs_send_what_a_fresh_fill_would():
                 num = int(torch.randint(1, 5, (), generator=gen))
                 first = int(torch.randint(0, 12 - num + 1, (), generator=gen))
                 given = torch.randn(num, 5, generator=gen)
-                with_features = bool(torch.rand((), generator=gen) < 0.7)
+                kind = int(torch.randint(0, 4, (), generator=gen))
                 seqs.append(CatchUp(table, first, list(range(1, num + 1)),
-                                    given if with_features else None))
+                                    as_given(given, kind)))
             yield seqs
 
     inputs = ChainInputs(3, 4, 2, 5, torch.float32, "cpu")
@@ -835,3 +845,11 @@ def test_chain_inputs_send_what_a_fresh_fill_would():
         fresh = ChainInputs(3, 4, 2, 5, torch.float32, "cpu")
         fresh.fill(seqs, pad_slot=40)
         assert torch.equal(inputs.sent, fresh.sent)
+        for b, seq in enumerate(seqs):  # and the given features are where they belong
+            rows = inputs.chain.features[4 * b:4 * b + len(seq.tokens)]
+            if seq.features is None:
+                assert not rows.any()
+            else:
+                given = seq.features
+                expected = given.tensor() if isinstance(given, WireFeatures) else given
+                assert torch.equal(rows, expected.float())
