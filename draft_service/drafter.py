@@ -13,7 +13,7 @@ request:
 3. Trees: for the sequences that ask for one, EAGLE-2 top-k drafting on the
    device, batched over the sequences of each tree shape, one forward per
    tree level and one read back (:class:`TreeSearch`, CUDA graphs on GPUs);
-   the host then keeps each tree's best nodes (:meth:`Candidates.best_tree`).
+   the host then keeps each tree's best nodes (:meth:`Candidates.best_trees`).
    In the steady state (every sequence a top-k tree of one captured shape,
    1 .. depth + 1 new tokens each) steps 2 and 3 are one graph replay
    (:meth:`TreeSearch.run_caught_up`).
@@ -502,10 +502,11 @@ class Drafter(BaseDrafter):
             [CatchUp(e.state.table, e.span.first, e.span.tokens, e.features) for e in extends],
             shape)
         trees = {}
+        picked = found.best_trees(shape.num_draft_tokens)
         for row, (i, ext) in enumerate(zip(live, extends, strict=True)):
             ext.state.table.num_slots = ext.span.first + len(ext.span.tokens)
             ext.state.last_state = roots[row]
-            trees[i] = ext.state.last_tree = found.best_tree(row, shape.num_draft_tokens)
+            trees[i] = ext.state.last_tree = picked[row]
         return trees
 
     def _samples(self, item: SeqInput) -> bool:
@@ -593,8 +594,8 @@ class Drafter(BaseDrafter):
             states = [state for _, state in group]
             found = self.search.run(torch.stack([s.last_state for s in states]),
                                     [s.table for s in states], [s.num_entries for s in states], shape)
-            for row, (i, _) in enumerate(group):
-                trees[i] = found.best_tree(row, shape.num_draft_tokens)
+            trees.update(zip((i for i, _ in group), found.best_trees(shape.num_draft_tokens),
+                             strict=True))
         if jobs:
             try:
                 self._grow(jobs)

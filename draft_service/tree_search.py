@@ -6,7 +6,7 @@ level's attention mask and page plan on the host: about 3 ms a level on a GPU,
 almost all of it host time. Here a level is a fixed sequence of tensor
 operations on [B, k] frontiers (on CUDA, what follows each level's top k is one
 kernel: splitspec/kernels/tree_level.py), and the host sees the candidates once,
-at the end, to pick each tree (:meth:`Candidates.best_tree`).
+at the end, to pick each tree (:meth:`Candidates.best_trees`).
 
 A frontier node at depth j of sequence b attends to
 
@@ -105,6 +105,9 @@ class NodeAttention(AttentionBackend):
                 lse.view(b, meta.rows, heads)[:, :width].reshape(b * width, heads))
 
 
+BATCHED_ROWS = 8  # Candidates.best_trees picks all rows at once from this many (else by row)
+
+
 @dataclass
 class Candidates:
     """Every candidate of a batch of trees, on the host: [B, C] in generation order (the
@@ -119,6 +122,36 @@ class Candidates:
     def of_packed(cls, packed: np.ndarray) -> Candidates:
         """From the search's packed [3, B, C] float64 (ids, parents, scores)."""
         return cls(packed[0].astype(np.int64), packed[1].astype(np.int64), packed[2].copy())
+
+    def best_trees(self, size: int) -> list[Tree]:
+        """Every row's :meth:`best_tree`, picked for all rows at once: by score (ties in
+        generation order), the first ``size``, in generation order, each parent's place
+        among them found by one search. That is :meth:`best_tree`'s pick wherever each of
+        those candidates ranks below its parent, as in a real search, whose children never
+        score above their parents; a row where one does not is picked by :meth:`best_tree`.
+        On the CPU machine, at the 8/4/5 tree: 157 us for 64 rows against 488 row by row,
+        but 31 against 7 for one row, so under ``BATCHED_ROWS`` rows it goes row by row."""
+        rows, columns = self.scores.shape
+        if rows < BATCHED_ROWS:
+            return [self.best_tree(row, size) for row in range(rows)]
+        size = max(min(size, columns), 0)
+        order = np.argsort(-self.scores, axis=1, kind="stable")
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(columns)[None, :], axis=1)
+        top = order[:, :size]
+        parents = np.take_along_axis(self.parents, top, axis=1)
+        parent_rank = np.take_along_axis(rank, np.maximum(parents, 0), axis=1)
+        ranked = ((parents < 0) | (parent_rank < np.arange(size)[None, :])).all(axis=1)
+        kept = np.sort(top, axis=1)  # generation order
+        parents = np.take_along_axis(self.parents, kept, axis=1)
+        offset = columns * np.arange(rows)[:, None]  # the rows' columns laid end to end
+        place = np.searchsorted((kept + offset).ravel(), (parents + offset).ravel())
+        tree_parents = np.where(parents < 0, 0,
+                                place.reshape(rows, size) - size * np.arange(rows)[:, None] + 1)
+        tokens = np.take_along_axis(self.tokens, kept, axis=1).tolist()
+        tree_parents = tree_parents.tolist()
+        return [Tree(tokens[row], tree_parents[row]) if ranked[row] else self.best_tree(row, size)
+                for row in range(rows)]
 
     def best_tree(self, row: int, size: int) -> Tree:
         """Row ``row``'s best ``size`` candidates (by score, then generation order: of equal

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import time
 from collections import Counter
+from unittest import mock
 
 import grpc
 import numpy as np
@@ -14,6 +15,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
 
+from draft_service import tree_search
 from draft_service.config import DraftConfig
 from draft_service.drafter import (
     Drafter,
@@ -353,6 +355,22 @@ def test_best_tree_keeps_the_best_candidates_closed_under_parents():
             ranked = sorted(range(columns), key=lambda c: (-scores[c], depths_[c], c))[:size]
             skipped += any(parents[c] >= 0 and parents[c] not in ranked for c in ranked)
             ties += len(set(scores)) < columns
+        # all rows at once (the graphed path's pick; BATCHED_ROWS 1: even for 6 rows): the
+        # same trees
+        rows_at_once = mock.patch.object(tree_search, "BATCHED_ROWS", 1)
+        with rows_at_once:
+            assert found.best_trees(size) == [found.best_tree(row, size) for row in range(6)]
+        # ... and, where every child scores at most its parent (as in a search), without
+        # falling back to best_tree row by row
+        for row in range(6):
+            for column in range(k, columns):  # parents come first in generation order
+                parent = int(packed[1, row, column])
+                packed[2, row, column] = packed[2, row, parent] - gen.integers(0, 2) / 2
+        searched = Candidates.of_packed(packed)
+        want = [searched.best_tree(row, size) for row in range(6)]
+        with rows_at_once, mock.patch.object(Candidates, "best_tree",
+                                             side_effect=AssertionError("fell back")):
+            assert searched.best_trees(size) == want
     assert skipped and ties  # the closure rule and the ties were met
 
 

@@ -5,7 +5,7 @@
 Runs SCRIPT with five methods wrapped in perf_counter stamps (about 1 us each, no
 synchronisation added): ``Drafter.draft`` (the call), ``CUDAGraph.replay`` inside it (the
 launch), ``TreeSearch.run_caught_up``, ``TreeSearch._read`` (the read-back: it waits for
-the graph) and ``Candidates.best_tree``. At exit it prints, over every draft call that
+the graph) and ``Candidates.best_trees``. At exit it prints, over every draft call that
 replayed the catch-up-and-search graph, the medians of: the host work before the launch,
 the launch, the wait for the read-back, the host work after it (the pick of the best tree
 included) and the whole call. torch's profiler stretches a graph launch (0.38 ms under it
@@ -85,7 +85,7 @@ def main() -> None:
     stamped(torch.cuda.CUDAGraph, "replay", "launch", "launched")
     stamped(TreeSearch, "run_caught_up", "caught", "caught_done")
     stamped(TreeSearch, "_read", "read", "read_back")
-    stamped(Candidates, "best_tree", "pick", "picked")
+    stamped(Candidates, "best_trees", "pick", "picked")
     atexit.register(report)
     sys.argv = sys.argv[1:]
     sys.path.insert(0, str(script.resolve().parent))
