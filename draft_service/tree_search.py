@@ -194,7 +194,8 @@ class WireFeatures(NamedTuple):
 
     def array(self) -> np.ndarray:
         """[rows, width x item size] bytes, a read-only view of ``data`` (no copy)."""
-        return np.frombuffer(self.data, dtype=np.uint8).reshape(self.rows, -1)
+        return np.frombuffer(self.data, dtype=np.uint8).reshape(
+            self.rows, self.width * self.dtype.itemsize)
 
 
 class CatchUp(NamedTuple):
