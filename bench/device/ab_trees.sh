@@ -5,7 +5,9 @@
 # rounds, reversed in even ones. In session 29 the second of two back-to-back step-cost
 # processes had the slower host in all 7 pairs, whichever commit it ran (its draft call's
 # host work 1.4-2.5x the first's in six, 1.1x in one), so a fixed order charges that to
-# whichever tree always comes later.
+# whichever tree always comes later. It is not a rule of back-to-back processes: three runs
+# of one commit in session 30 got faster run by run. Whatever its cause, alternating keeps
+# it from always falling on one tree.
 root=$PWD
 declare -A src=([head]="$root")
 trees=()
