@@ -19,31 +19,47 @@ It does not write features: on the GPU a CUDA graph does, with no host work. The
   accepted at places the compaction moves them from (the draft answers at once: the
   exchange's transit is bench_exchange.py's).
 
+``--sink grpc`` sends each step's events the way the served target does: the stream's
+outbox is read by the real ``TargetServicer.Serve`` in a real gRPC server in this process,
+and a client in another process receives them. Without it nothing reads the outbox. The
+difference is what the sending threads cost the engine's thread: every torch call
+releases the GIL, and while they hold it the step waits (docs/benchmarks.md,
+twenty-seventh part).
+
     python bench/bench_engine_host.py                      # batch 1, 8, 64; 3 repeats
     python bench/bench_engine_host.py --batch 1,64 --steps 400 --out-json /tmp/host.json
+    python bench/bench_engine_host.py --modes off --batch 1,8 --sinks memory,grpc
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import queue
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import grpc
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from graph_timing import parse_ints
 
+from splitspec.grpc_server import CHANNEL_OPTIONS, ServiceServer
+from splitspec.init_report import InitReport
 from splitspec.kv_cache import KVCache, PagePool
-from splitspec.v1 import common_pb2, draft_pb2, target_pb2
+from splitspec.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 from target_service.draft_client import ExchangeResult, Sent
 from target_service.engine import Engine, EngineLimits
 from target_service.runner import ModelRunner
 from target_service.scheduler import Scheduler
+from target_service.servicer import TargetServicer
 
 PAGE = 16
 VOCAB = 64
@@ -51,6 +67,8 @@ FEATURES = 768  # the built-in target's three captured layers of 256
 TREE = common_pb2.DraftShape(num_draft_tokens=4, topk=2, num_steps=2)
 MAX_TREE_NODES = 8  # the scheduler reserves room for the largest tree
 MODES = ("off", "auto-off", "tree")
+SINKS = ("memory", "grpc")
+CONNECT_S = 30.0
 
 
 class StandInRunner:
@@ -61,13 +79,18 @@ class StandInRunner:
     copy_slots = ModelRunner.copy_slots
     read_features = ModelRunner.read_features
 
-    def __init__(self, num_pages: int) -> None:
+    def __init__(self, num_pages: int, launch_calls: int = 0, device_s: float = 0.0) -> None:
         self.cache = KVCache(1, num_pages, PAGE, 1, 8, torch.bfloat16, "cpu")
         self.cache.hold_features(FEATURES, torch.bfloat16)
         self._logits = torch.zeros(4096, VOCAB)
         self._logits[:, 0] = 1.0
+        self.launch_calls, self.device_s = launch_calls, device_s
+        self._staged, self._staging = torch.zeros(4, 64), torch.ones(4, 64)
 
     def forward(self, batch: object) -> torch.Tensor:
+        for _ in range(self.launch_calls):  # a graph's input copies and replay, on a GPU
+            self._staged.copy_(self._staging)  # (each call gives the GIL up, as they do)
+        self.ready_at = time.perf_counter() + self.device_s  # its logits, on a GPU
         return self._logits[:len(batch.logit_rows)]
 
     def stop(self) -> None:
@@ -94,18 +117,81 @@ class StandInDraft:
         return self.receive(self.send(request))
 
 
-def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64) -> float:
+class GrpcSink:
+    """The served target's sending path for the bench's engine stream: the real
+    ``TargetServicer.Serve`` yields its events from a real gRPC server in this process, and a
+    client in another process (this script, ``--client``) receives them and counts them."""
+
+    def __init__(self, engine: Engine, stream_id: int, outbox: queue.Queue) -> None:
+        self.outbox = outbox
+        opened = threading.Event()
+
+        def open_stream() -> tuple[int, queue.Queue]:  # Serve takes the bench's stream
+            opened.set()
+            return stream_id, outbox
+
+        engine.open_stream = open_stream
+        self.server = ServiceServer("127.0.0.1:0", 4, [])
+        target_pb2_grpc.add_TargetServicer_to_server(
+            TargetServicer(engine, target_pb2.TargetInfo(), InitReport("target")),
+            self.server.server)
+        self.server.start()
+        self.client = subprocess.Popen(
+            [sys.executable, __file__, "--client", f"127.0.0.1:{self.server.port}"],
+            stdout=subprocess.PIPE, text=True)
+        if not opened.wait(CONNECT_S):
+            self.client.kill()
+            self.server.stop(0)
+            raise RuntimeError(f"the client did not open its Serve stream in {CONNECT_S} s")
+
+    def close(self) -> int:
+        """End the stream; the number of events the client received."""
+        self.outbox.put(None)
+        out, _ = self.client.communicate(timeout=CONNECT_S)
+        self.server.stop(0)
+        if self.client.returncode:
+            raise RuntimeError(f"the client failed (exit {self.client.returncode})")
+        return int(out.split()[-1])
+
+
+def client_main(address: str) -> None:
+    """Receive every event of one Serve stream, sending nothing; print how many came."""
+    blocked = threading.Event()
+
+    def requests() -> object:  # the stream stays open until the server ends it
+        blocked.wait()
+        yield target_pb2.ServeRequest()
+
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        events = sum(1 for _ in target_pb2_grpc.TargetStub(channel).Serve(requests()))
+    print(events, flush=True)
+    os._exit(0)  # gRPC's thread still waits on the request iterator
+
+
+def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64,
+                     sink: str = "memory", launch_calls: int = 0, device_s: float = 0.0
+                     ) -> float:
     """Median microseconds of ``Engine.step`` over ``steps`` decode steps of ``batch``
-    sequences (the prompts' step and the first decode step are not timed)."""
+    sequences (the prompts' step and the first decode step are not timed), with the events
+    left in the outbox (``sink`` memory) or sent over gRPC (``grpc``: ``GrpcSink``)."""
     new_tokens = (steps + 2) * (3 if mode == "tree" else 1)
     per_seq = -(-(prompt_len + new_tokens + MAX_TREE_NODES + 1) // PAGE)
-    runner = StandInRunner(batch * per_seq)
+    runner = StandInRunner(batch * per_seq, launch_calls, device_s)
     limits = EngineLimits(VOCAB, prompt_len + new_tokens + MAX_TREE_NODES, batch * prompt_len,
                           MAX_TREE_NODES, TREE, frozenset())
     engine = Engine(runner, Scheduler(PagePool(runner.cache.num_pages), batch, MAX_TREE_NODES),
                     limits,
                     StandInDraft(), (2, 3, 4))
-    stream, _ = engine.open_stream()
+    if device_s:  # the engine's first read of the logits waits for the device
+        choose = engine._choose
+
+        def wait_then_choose(*args: object) -> object:
+            time.sleep(max(runner.ready_at - time.perf_counter(), 0.0))  # the GIL given up
+            return choose(*args)
+
+        engine._choose = wait_then_choose
+    stream, outbox = engine.open_stream()
+    sending = GrpcSink(engine, stream, outbox) if sink == "grpc" else None
     speculation = {"off": common_pb2.SPECULATION_MODE_OFF, "auto-off": common_pb2.SPECULATION_MODE_AUTO,
                    "tree": common_pb2.SPECULATION_MODE_ON}[mode]
     if mode == "auto-off":
@@ -122,6 +208,8 @@ def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64) ->
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
+    if sending is not None and (received := sending.close()) < steps:
+        raise RuntimeError(f"the client received {received} events of {steps}+ steps")
     last = engine.last_stats
     if last.batch_size != batch or last.speculated != (mode == "tree"):
         raise RuntimeError(f"{mode}: the last step decoded {last.batch_size} sequences (not "
@@ -137,27 +225,43 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated: {MODES}")
     parser.add_argument("--steps", type=int, default=300, help="timed steps a run")
     parser.add_argument("--repeats", type=int, default=3, help="runs a setting, alternated")
+    parser.add_argument("--sinks", default="memory",
+                        help=f"comma-separated, where the events go: {SINKS}")
     parser.add_argument("--out-json", type=Path, help="write every run's figures here")
+    parser.add_argument("--launch-calls", type=int, default=0,
+                        help="tiny torch copies in each forward, standing in for the launches "
+                             "of a CUDA graph's inputs and replay (each gives the GIL up)")
+    parser.add_argument("--device-us", type=float, default=0.0,
+                        help="a wait from each forward's launch to the first read of its logits, "
+                             "standing in for the device's work (timed with the step)")
+    parser.add_argument("--client", help=argparse.SUPPRESS)  # GrpcSink's receiving process
     args = parser.parse_args()
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        parser.error(f"unknown modes {unknown}; choose from {MODES}")
+    if args.client:
+        client_main(args.client)
+    modes, sinks = args.modes.split(","), args.sinks.split(",")
+    for given, known, what in ((modes, MODES, "modes"), (sinks, SINKS, "sinks")):
+        if unknown := sorted(set(given) - set(known)):
+            parser.error(f"unknown {what} {unknown}; choose from {known}")
     torch.set_num_threads(1)
-    runs: dict[str, list[float]] = {f"{m} {b}": [] for b in args.batch for m in modes}
+    settings = [(m, k, m if k == "memory" else f"{m} {k}") for m in modes for k in sinks]
+    runs: dict[str, list[float]] = {f"{x} {b}": [] for b in args.batch for *_, x in settings}
     for _ in range(args.repeats):
         for batch in args.batch:
-            for mode in modes:  # alternated, so drift hits all alike
-                runs[f"{mode} {batch}"].append(host_us_per_step(mode, batch, args.steps))
+            for mode, sink, label in settings:  # alternated, so drift hits all alike
+                runs[f"{label} {batch}"].append(host_us_per_step(
+                    mode, batch, args.steps, sink=sink, launch_calls=args.launch_calls,
+                    device_s=args.device_us / 1e6))
+    waits = f", a {args.device_us:g} us device wait included" if args.device_us else ""
     print(f"Engine.step host time, stand-in model, {args.steps} steps a run, median of "
-          f"{args.repeats} runs (us a step; us a sequence)")
+          f"{args.repeats} runs (us a step; us a sequence){waits}")
+    first = settings[0][2]
     for batch in args.batch:
-        base = statistics.median(runs[f"{modes[0]} {batch}"])
-        for mode in modes:
-            us = statistics.median(runs[f"{mode} {batch}"])
-            print(f"  batch {batch:3d} {mode:8s}: {us:8.1f} us ({us / batch:6.1f} a sequence), "
-                  f"{us - base:+7.1f} vs {modes[0]}; runs " + ", ".join(
-                      f"{r:.1f}" for r in runs[f"{mode} {batch}"]))
+        base = statistics.median(runs[f"{first} {batch}"])
+        for *_, label in settings:
+            us = statistics.median(runs[f"{label} {batch}"])
+            print(f"  batch {batch:3d} {label:13s}: {us:8.1f} us ({us / batch:6.1f} a "
+                  f"sequence), {us - base:+7.1f} vs {first}; runs " + ", ".join(
+                      f"{r:.1f}" for r in runs[f"{label} {batch}"]))
     if args.out_json:
         args.out_json.write_text(json.dumps({"steps": args.steps, "runs_us": runs}, indent=1))
     return 0

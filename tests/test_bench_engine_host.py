@@ -27,3 +27,24 @@ def test_unknown_modes_are_refused():
     done = subprocess.run([sys.executable, "bench/bench_engine_host.py", "--modes", "off,on"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "unknown modes ['on']" in done.stderr
+
+
+def test_the_grpc_sink_sends_every_step_to_a_client_process(tmp_path):
+    """--sinks grpc: the real Serve path in a real server, and a client process that must
+    receive an event for every timed step (the bench refuses fewer)."""
+    out = tmp_path / "host.json"
+    done = subprocess.run([sys.executable, "bench/bench_engine_host.py", "--batch", "2",
+                           "--modes", "off", "--sinks", "memory,grpc", "--steps", "20",
+                           "--repeats", "1", "--launch-calls", "2", "--device-us", "50",
+                           "--out-json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    assert "a 50 us device wait included" in done.stdout
+    runs = json.loads(out.read_text())["runs_us"]
+    assert set(runs) == {"off 2", "off grpc 2"}
+    assert all(us >= 50 for r in runs.values() for us in r)  # the wait is in every step
+
+
+def test_unknown_sinks_are_refused():
+    done = subprocess.run([sys.executable, "bench/bench_engine_host.py", "--sinks", "file"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "unknown sinks ['file']" in done.stderr
