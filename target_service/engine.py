@@ -240,8 +240,9 @@ class Engine:
         return len(self._by_request)
 
     def is_idle(self) -> bool:
-        """Thread-safe: no request in flight and none waiting to be admitted or refused."""
-        return not self._by_request and self._inbox.empty()
+        """Thread-safe: no request in flight, none waiting to be admitted or refused, and
+        no event left to hand to a stream."""
+        return not self._by_request and self._inbox.empty() and not self._pending
 
     def submit(self, stream_id: int, request: target_pb2.ServeRequest) -> None:
         self._inbox.put((stream_id, request))
@@ -312,11 +313,14 @@ class Engine:
         try:
             while not stop.is_set():
                 idle = not self.scheduler.has_work
+                if idle:
+                    self._flush()  # the last step's events, before the wait for work
                 self._drain_inbox(block=idle)
                 if idle:  # the next step's period starts after the wait, not before it
                     self._period_start = time.perf_counter()
                 if self.scheduler.has_work:
                     self.step()
+            self._flush()
             self.runner.stop()
         except Exception as exc:  # the engine is broken: fail requests, report, let main exit
             log.exception("engine step failed; failing all requests")
@@ -470,7 +474,6 @@ class Engine:
             first_child_accepted=first_child_counts(decode, trees, result.accepted, kept))
         self._record_step(self.last_stats, span)
         span.end()
-        self._flush()
 
     def _record_step(self, stats: target_pb2.StepStats, span: object) -> None:
         """The step's figures on its span and in the step metrics (nothing when not exporting)."""
@@ -531,6 +534,7 @@ class Engine:
         early, self._early = self._early, None
         trees: dict[int, Tree] = {}
         if early is not None:  # its reply first: the draft has caught up on what it sent
+            self._flush()  # the last step's events, while the draft works (see _flush)
             early_trees: dict[int, Tree] = {}
             if not self._take_reply(self.draft.receive(early.sent), early.seqs, early.releases,
                                     early_trees):
@@ -541,7 +545,9 @@ class Engine:
             wanting = [s for s in wanting if s.seq_id not in matched]
         if wanting and self.draft is not None:
             request, asked = self._draft_request(wanting, shapes, self._step)
-            if not self._take_reply(self.draft.exchange(request), asked,
+            sent = self.draft.send(request)
+            self._flush()
+            if not self._take_reply(self.draft.receive(sent), asked,
                                     list(request.release_ids), trees):
                 return {}, 0
         return trees, budget
@@ -686,6 +692,7 @@ class Engine:
         logits = self.runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), attn,
                                                   logit_rows, self.capture))
         launched = time.perf_counter()
+        self._flush()  # the last step's events, while the device works (see _flush)
         with torch.inference_mode():
             prefill_tokens, accepted = self._choose(logits, prefill, decode, trees)
         return _ForwardResult(prefill_tokens, accepted, launched)
@@ -817,6 +824,14 @@ class Engine:
             self._pending_releases.append(seq.seq_id)
 
     def _flush(self) -> None:
+        """Hand the pending events to their streams' outboxes.
+
+        A step's events leave at the next step's first wait (for the draft's reply, or
+        after its forward's launch) or before the loop waits for work, not at the step's
+        end: each stream's gRPC thread then serialises and sends while this thread waits
+        on the device or the draft. Sent at once, that work ran while the next step's host
+        work did, and since every torch call gives the GIL up, that host work waited for it
+        (docs/benchmarks.md, twenty-seventh part)."""
         pending, self._pending = self._pending, {}
         for stream_id, deltas in pending.items():
             stream = self._streams.get(stream_id)

@@ -118,6 +118,41 @@ def test_step_stats_split_the_forward_at_its_launch():
         assert stats.forward_s - stats.forward_launch_s >= 0.03
 
 
+class OutboxWatch(NullRunner):
+    """Records, as each forward is launched, how many events a stream's outbox holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outbox: queue.Queue | None = None
+        self.seen: list[int] = []
+
+    def forward(self, batch):
+        self.seen.append(self.outbox.qsize())
+        return super().forward(batch)
+
+
+def test_a_steps_events_leave_at_the_next_launch_and_all_of_them_before_the_loop_idles():
+    """A step's events wait for the next step's launch (their stream's gRPC thread then sends
+    while the device works), so the first forward finds none and each later forward one
+    fewer than the steps before it; the last step's leave before the loop waits for work."""
+    runner = OutboxWatch()
+    with running_engine(runner, PagePool(8)) as engine:
+        stream, runner.outbox = engine.open_stream()
+        engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
+            request_id=1, prompt_ids=[3, 1, 4], max_new_tokens=4,
+            speculation=common_pb2.SPECULATION_MODE_OFF)))
+        deadline = time.monotonic() + 5
+        while not engine.is_idle() and time.monotonic() < deadline:  # (read after: qsize
+            time.sleep(0.01)  # counts every event put)
+        events = [runner.outbox.get(timeout=5) for _ in range(4)]
+        assert runner.outbox.empty()
+        assert runner.seen == [0, 0, 1, 2]  # at the end of each step it would be [0, 1, 2, 3]
+        assert [t for e in events for d in e.deltas for t in d.token_ids] == [7, 7, 7, 7]
+        assert events[-1].deltas[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        steps = [e.stats.step for e in events]  # each event with its own step's figures
+        assert steps == list(range(steps[0], steps[0] + 4))
+
+
 class CheckedFeatures(NullRunner):
     """A stand-in whose cache keeps features, as a target serving an EAGLE-3 draft does: each
     forward writes every new token's [position, token] at its slot, and the compaction and
