@@ -153,6 +153,24 @@ def test_a_steps_events_leave_at_the_next_launch_and_all_of_them_before_the_loop
         assert steps == list(range(steps[0], steps[0] + 4))
 
 
+def test_an_engine_is_not_idle_while_its_last_events_wait_to_be_handed_over():
+    """A draining target stops its server once the engine is idle: the finished request's
+    last events must be in its stream's outbox by then, not still pending."""
+    engine = Engine(NullRunner(), Scheduler(PagePool(8), 4, 8),
+                    EngineLimits(8, 64, 64, 8, common_pb2.DraftShape(), frozenset()), None, ())
+    stream, outbox = engine.open_stream()
+    engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
+        request_id=1, prompt_ids=[3, 1], max_new_tokens=2,
+        speculation=common_pb2.SPECULATION_MODE_OFF)))
+    engine._drain_inbox(block=False)  # the loop's own intake and steps, without its thread
+    engine.step()
+    engine.step()
+    assert engine.num_in_flight == 0 and outbox.qsize() == 1  # the last step's: pending
+    assert not engine.is_idle()
+    engine._flush()  # as the loop does before it waits for work
+    assert engine.is_idle() and outbox.qsize() == 2
+
+
 class CheckedFeatures(NullRunner):
     """A stand-in whose cache keeps features, as a target serving an EAGLE-3 draft does: each
     forward writes every new token's [position, token] at its slot, and the compaction and
