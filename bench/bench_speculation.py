@@ -162,6 +162,7 @@ def breakdown(steps: list[target_pb2.StepStats], speculated: bool) -> dict[str, 
         "draft_compute_ms": med([s.draft_compute_s for s in picked]),
         "forward_ms": med([s.forward_s for s in picked]),
         "forward_launch_ms": med([s.forward_launch_s for s in picked]),
+        "forward_launch_cpu_ms": med([s.forward_launch_cpu_s for s in picked]),
         "bookkeeping_ms": med([s.total_s - s.draft_s - s.forward_s for s in picked]),
         "total_ms": med([s.total_s for s in picked]),
     }

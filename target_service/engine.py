@@ -106,6 +106,7 @@ class _ForwardResult(NamedTuple):
     prefill_tokens: list[int]     # the token after each prompt, prefill order
     accepted: list[Acceptance]    # each decoding sequence's accepted path and tokens, decode order
     launched: float               # perf_counter() once the runner had launched the forward
+    launched_cpu: float           # and the engine thread's thread_time() then
 
 
 class _Early(NamedTuple):
@@ -450,7 +451,7 @@ class Engine:
         self._draft_compute_s = 0.0
         self._step_traceparent = telemetry.traceparent(span)
         trees, budget = self._draft_trees(decode)
-        forward_start = time.perf_counter()
+        forward_start, forward_start_cpu = time.perf_counter(), time.thread_time()
         result = self._forward(prefill, decode, trees)
         forward_end = time.perf_counter()
         drafted, accepted, kept = self._commit(prefill, decode, trees, result)
@@ -468,6 +469,7 @@ class Engine:
             drafted_tokens=drafted, accepted_tokens=accepted,
             draft_s=forward_start - draft_start, forward_s=forward_end - forward_start,
             forward_launch_s=result.launched - forward_start,
+            forward_launch_cpu_s=result.launched_cpu - forward_start_cpu,
             total_s=end - start, waiting=len(self.scheduler.waiting),
             draft_compute_s=self._draft_compute_s, period_s=end - period_start,
             committed_tokens=committed, graphed=self.runner.last_graphed,
@@ -492,6 +494,7 @@ class Engine:
                 "splitspec.draft_s": stats.draft_s, "splitspec.draft_compute_s": stats.draft_compute_s,
                 "splitspec.forward_s": stats.forward_s,
                 "splitspec.forward_launch_s": stats.forward_launch_s,
+                "splitspec.forward_launch_cpu_s": stats.forward_launch_cpu_s,
                 "splitspec.total_s": stats.total_s})
 
     def _step_span(self, seqs: list[Sequence]) -> object:
@@ -691,11 +694,11 @@ class Engine:
             logit_rows.extend(range(starts[i], starts[i + 1]))
         logits = self.runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), attn,
                                                   logit_rows, self.capture))
-        launched = time.perf_counter()
+        launched, launched_cpu = time.perf_counter(), time.thread_time()
         self._flush()  # the last step's events, while the device works (see _flush)
         with torch.inference_mode():
             prefill_tokens, accepted = self._choose(logits, prefill, decode, trees)
-        return _ForwardResult(prefill_tokens, accepted, launched)
+        return _ForwardResult(prefill_tokens, accepted, launched, launched_cpu)
 
     def _choose(self, logits: torch.Tensor, prefill: list[Sequence], decode: list[Sequence],
                 trees: dict[int, Tree]) -> tuple[list[int], list[Acceptance]]:

@@ -116,6 +116,27 @@ def test_step_stats_split_the_forward_at_its_launch():
         assert stats.batch_size == 1
         assert stats.forward_launch_s >= 0.02
         assert stats.forward_s - stats.forward_launch_s >= 0.03
+        assert stats.forward_launch_cpu_s < 0.01  # it slept: the thread did not run
+
+
+class BusyLaunch(NullRunner):
+    """Each forward's launch keeps the engine thread busy for 20 ms."""
+
+    def forward(self, batch):
+        end = time.perf_counter() + 0.02
+        while time.perf_counter() < end:
+            pass
+        return super().forward(batch)
+
+
+def test_step_stats_tell_a_launch_that_ran_from_one_that_waited():
+    """forward_launch_cpu_s is the engine thread's CPU time within forward_launch_s: close to
+    it for a launch that works (a sleeping one is the test above)."""
+    with running_engine(BusyLaunch(), PagePool(8)) as engine:
+        engine.generate([3, 1, 4], 2, common_pb2.SPECULATION_MODE_OFF)
+        stats = engine.last_stats
+        assert stats.forward_launch_s >= 0.02
+        assert 0.01 <= stats.forward_launch_cpu_s <= stats.forward_launch_s + 0.002
 
 
 class OutboxWatch(NullRunner):
