@@ -177,12 +177,7 @@ def test_a_steps_events_leave_at_the_next_launch_and_all_of_them_before_the_loop
 def test_an_engine_is_not_idle_while_its_last_events_wait_to_be_handed_over():
     """A draining target stops its server once the engine is idle: the finished request's
     last events must be in its stream's outbox by then, not still pending."""
-    engine = Engine(NullRunner(), Scheduler(PagePool(8), 4, 8),
-                    EngineLimits(8, 64, 64, 8, common_pb2.DraftShape(), frozenset()), None, ())
-    stream, outbox = engine.open_stream()
-    engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
-        request_id=1, prompt_ids=[3, 1], max_new_tokens=2,
-        speculation=common_pb2.SPECULATION_MODE_OFF)))
+    engine, outbox = _engine_with_request(NullRunner(), [3, 1], 2)
     engine._drain_inbox(block=False)  # the loop's own intake and steps, without its thread
     engine.step()
     engine.step()
@@ -275,15 +270,22 @@ class FailingRunner(NullRunner):
         return super().forward(batch)
 
 
-def _failing_engine() -> tuple[Engine, queue.Queue]:
-    """An engine whose second step fails, with a gateway stream's request waiting in it."""
-    engine = Engine(FailingRunner(), Scheduler(PagePool(8), 4, 8),
+def _engine_with_request(runner: NullRunner, prompt: list[int], max_new: int
+                         ) -> tuple[Engine, queue.Queue]:
+    """An engine over ``runner`` (its loop not started) with one stream's request (OFF)
+    waiting in its inbox, and that stream's outbox."""
+    engine = Engine(runner, Scheduler(PagePool(8), 4, 8),
                     EngineLimits(8, 64, 64, 8, common_pb2.DraftShape(), frozenset()), None, ())
-    other, outbox = engine.open_stream()
-    engine.submit(other, target_pb2.ServeRequest(admit=target_pb2.Admit(
-        request_id=7, prompt_ids=[2, 7], max_new_tokens=5,
+    stream, outbox = engine.open_stream()
+    engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
+        request_id=7, prompt_ids=prompt, max_new_tokens=max_new,
         speculation=common_pb2.SPECULATION_MODE_OFF)))
     return engine, outbox
+
+
+def _failing_engine() -> tuple[Engine, queue.Queue]:
+    """An engine whose second step fails, with a gateway stream's request waiting in it."""
+    return _engine_with_request(FailingRunner(), [2, 7], 5)
 
 
 def _generate_error(engine: Engine) -> str:
