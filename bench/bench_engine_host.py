@@ -113,9 +113,6 @@ class StandInDraft:
     def receive(self, sent: Sent) -> ExchangeResult:
         return ExchangeResult(self._replies.pop(0), "", False)
 
-    def exchange(self, request: draft_pb2.DraftRequest) -> ExchangeResult:
-        return self.receive(self.send(request))
-
 
 class GrpcSink:
     """The served target's sending path for the bench's engine stream: the real

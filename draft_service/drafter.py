@@ -523,7 +523,7 @@ class Drafter(BaseDrafter):
         features = None
         if self.model.feature_dim:
             features = wire_features(item.hidden_states, len(span.tokens), self.model.feature_dim,
-                                       item.hidden_dim, item.dtype)
+                                     item.hidden_dim, item.dtype)
         state = self._sync(session, item, state)
         if span.first < state.num_entries:  # rollback: the last entry's state is gone too
             state.last_state = None

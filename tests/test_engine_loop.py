@@ -387,9 +387,6 @@ class ChainDraft:
         assert reply.step == sent.step
         return ExchangeResult(reply, "", False)
 
-    def exchange(self, request: draft_pb2.DraftRequest) -> ExchangeResult:
-        return self.receive(self.send(request))
-
 
 CHAIN = common_pb2.DraftShape(num_draft_tokens=2, topk=1, num_steps=2)
 ON = common_pb2.SPECULATION_MODE_ON
