@@ -417,6 +417,54 @@ def run_few_rows(device: str) -> None:
         assert torch.equal(routed[0], got if calls else torch.nn.functional.linear(x, w))
 
 
+def run_fp8_rows(device: str) -> None:
+    """splitspec.kernels.gemv.fp8_rows against fp8_linear_torch: 1 to 64 rows, rows of x
+    strided, N not a multiple of the block, K a multiple of the loop's step or not; and
+    linear's routing of an fp8 weight (1 to 64 rows of a 2-byte x through fp8_rows, more, or
+    float32 ones, through the weight it was made from). Compiled, a 2-byte x is multiplied in float16 (the interpreter runs
+    float32 products): within two of x's rounding steps of the reference, which is held to
+    differ from the unrounded weight's product by more than that."""
+    from splitspec.kernels import fp8_linear_torch, quantize_fp8
+    from splitspec.kernels import gemv as module
+    from splitspec.kernels.gemv import GemvConfig, fp8_rows
+
+    gen = torch.Generator().manual_seed(8)
+    cases = [(torch.float32, 1, 37, 96, GemvConfig(16, 32, 4)),    # one row, K a multiple
+             (torch.float32, 16, 40, 100, GemvConfig(16, 32, 4)),  # K not: a masked last step
+             (torch.bfloat16, 40, 29, 200, GemvConfig(32, 64, 4)),  # 64 rows computed, 40 kept
+             (torch.bfloat16, 4, 70, 48, GemvConfig(64, 64, 4, 2)),  # one step wider than K
+             (torch.float16, 64, 33, 128, GemvConfig(16, 64, 4))]
+    for dtype, m, n, k, config in cases:
+        w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+        fp8 = quantize_fp8(w)
+        xs = torch.randn(m, k + 5, generator=gen).to(dtype).to(device)
+        x = xs[:, 5:]  # rows K + 5 apart
+        want = fp8_linear_torch(x, fp8)
+        got = fp8_rows(x, fp8, config)
+        assert got.shape == (m, n) and got.dtype == dtype
+        what = f"fp8_rows {dtype} M={m} N={n} K={k} {config}"
+        close(got, want, what, scale=want.abs() + 1e-2)
+        unrounded = (x.float() @ w.float().T).to(dtype)
+        assert not torch.equal(want, unrounded), f"{what}: the fp8 weight is the weight"
+        # linear: up to 64 rows of [.., K] through fp8_rows, more through the full weight
+        saved = dict(module.FP8_CONFIGS)
+        module.FP8_CONFIGS[(n, k)] = config
+        calls: list[int] = []
+        module.fp8_rows = lambda *args, seen=calls: seen.append(1) or fp8_rows(*args)
+        try:
+            routed = module.linear(x.reshape(1, m, k), fp8)
+            many = torch.randn(65, k, generator=gen).to(dtype).to(device)
+            wide = module.linear(many, fp8)
+        finally:
+            module.fp8_rows = fp8_rows
+            module.FP8_CONFIGS.clear()
+            module.FP8_CONFIGS.update(saved)
+        assert len(calls) == (dtype != torch.float32)  # float32 rows: through W
+        assert routed.shape == (1, m, n)
+        assert torch.equal(routed[0], got if calls else module.linear(x, w))
+        assert torch.equal(wide, module.linear(many, w)), f"{what}: 65 rows not through W"
+
+
 def run_top_logprobs(device: str) -> None:
     """splitspec.kernels.top_logprobs's kernels against a stable descending sort and torch's
     log_softmax: rows of one chunk and of several (the last one partial), equal logits within

@@ -35,6 +35,8 @@ from bench_step_costs import configs
 
 from splitspec.attention.decode_table import block_keys, splits_for
 from splitspec.kernels import (
+    FP8,
+    Fp8Weight,
     Frontier,
     fused_ops,
     gemv,
@@ -163,9 +165,12 @@ def _calls(shape: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], objec
                    (head.draft_vocab_size, own.hidden_size)}
     for n, k in sorted(projections):
         w = _empty(n, k, dtype=dtype)
+        fp8 = Fp8Weight(_empty(n, k, dtype=FP8), _empty(n), w)  # a draft's --quantize fp8
         for rows in (1, 4, 9, 16, 33):
             calls.append((f"linear rows={rows} {n}x{k}",
                           partial(gemv.linear, _empty(rows, k, dtype=dtype), w)))
+            calls.append((f"linear rows={rows} {n}x{k} fp8",
+                          partial(gemv.linear, _empty(rows, k, dtype=dtype), fp8)))
     return calls
 
 

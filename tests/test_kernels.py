@@ -23,14 +23,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
                                    "run_paged_decode", "run_gemv", "run_few_rows",
-                                   "run_wired_projections", "run_top_logprobs",
-                                   "run_tree_level"])
+                                   "run_fp8_rows", "run_wired_projections",
+                                   "run_top_logprobs", "run_tree_level"])
 def test_kernels_match_torch_in_the_interpreter(cases):
     """run: KV compaction; run_fused: norms, rotary, SiLU-and-multiply, the KV store;
     run_tree: the draft's tree-node attention and merge; run_prompts: packed prompts' causal
     attention; run_paged_decode: decode attention over the paged cache, split and merged, one
     row or several a sequence (the verify and drafting prefix, TablePrefix); run_gemv and
-    run_few_rows: a projection of one row and of a few; run_wired_projections: a small target
+    run_few_rows: a projection of one row and of a few; run_fp8_rows: a few rows through a
+    weight in fp8; run_wired_projections: a small target
     and head with every projection through them; run_top_logprobs: the draft's top k;
     run_tree_level: a level of the draft's tree search after its top k."""
     code = f"from tests.kernel_cases import {cases}; {cases}('cpu'); print('ok')"
@@ -60,8 +61,8 @@ def test_kernels_compile_for_hopper_without_a_gpu(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cases", ["run", "run_fused", "run_tree", "run_prompts",
                                    "run_paged_decode", "run_gemv", "run_few_rows",
-                                   "run_wired_projections", "run_top_logprobs",
-                                   "run_tree_level"])
+                                   "run_fp8_rows", "run_wired_projections",
+                                   "run_top_logprobs", "run_tree_level"])
 def test_kernels_match_torch_on_the_gpu(cases):
     import tests.kernel_cases
 

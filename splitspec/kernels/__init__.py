@@ -15,6 +15,36 @@ def top_logprobs_torch(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     return torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
 
 
+FP8 = torch.float8_e4m3fn  # the codes of a weight in fp8
+
+
+class Fp8Weight(NamedTuple):
+    """A projection's weight W [N, K] in fp8 beside the weight itself: codes [N, K] (float8
+    e4m3) and a float32 scale per row [N], W ~ codes * scale[:, None]. Half the bytes of
+    bfloat16, so half the time where a projection is bound by reading its weight (a few
+    rows: the draft's tree levels); ``full`` serves the rows that are bound by arithmetic
+    (splitspec.kernels.gemv.linear)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    full: torch.Tensor  # W as it was (the same storage, no copy)
+
+
+def quantize_fp8(w: torch.Tensor) -> Fp8Weight:
+    """W [N, K] in fp8: each row's largest magnitude maps to e4m3's largest (448), and the
+    rest round to 3 bits of mantissa (bfloat16 keeps 7). An all-zero row keeps scale 1."""
+    wide = w.detach().float()
+    largest = wide.abs().amax(dim=1)
+    scale = torch.where(largest > 0, largest / torch.finfo(FP8).max, torch.ones_like(largest))
+    return Fp8Weight((wide / scale[:, None]).to(FP8), scale, w.detach())
+
+
+def fp8_linear_torch(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """x [..., K] times an fp8 weight, transposed: [..., N] in x's dtype, float32 sums, one
+    rounding (the reference of splitspec.kernels.gemv.fp8_rows, and the CPU's path)."""
+    return ((x.float() @ w.codes.float().T) * w.scale).to(x.dtype)
+
+
 class Frontier(NamedTuple):
     """A tree search's frontier of k nodes per sequence (draft_service/tree_search.py)."""
 

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from splitspec.kernels import FP8, Fp8Weight
+
 
 class GemvConfig(NamedTuple):
     block_n: int = 8     # rows of W a program reads
@@ -35,7 +37,7 @@ class GemvConfig(NamedTuple):
 
 
 DEFAULT = GemvConfig()
-MAX_ROWS = 64  # the most rows few_rows takes (padded to 16, 32 or 64)
+MAX_ROWS = 64  # the most rows few_rows and fp8_rows take (padded to 16, 32 or 64)
 # W's (N, K) -> its config, or None where cuBLAS was faster (bench/bench_gemv.py prints these
 # lines); a shape not listed takes DEFAULT.
 CONFIGS: dict[tuple[int, int], GemvConfig | None] = {  # H200, Llama-3-8B's shapes, session 20
@@ -60,6 +62,18 @@ ROW_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
     (16, 6144, 8192): GemvConfig(64, 256, 4, 4),  # draft_qkv
     (16, 4096, 12288): GemvConfig(32, 256, 4, 4),  # draft_fc
     (16, 32000, 4096): GemvConfig(64, 128, 4, 3),  # draft_lm_head
+}
+
+# fp8_rows's config by W's (N, K) (bench_gemv --fp8 prints these lines); other shapes take
+# FP8_DEFAULT. H200, session 32, measured at 4 rows (the EAGLE-3 head's tree levels).
+FP8_DEFAULT = GemvConfig(32, 256, 4, 4)
+FP8_CONFIGS: dict[tuple[int, int], GemvConfig] = {
+    (6144, 8192): GemvConfig(64, 256, 4, 4),  # draft_qkv
+    (4096, 4096): GemvConfig(32, 256, 4, 4),  # o_proj
+    (28672, 4096): GemvConfig(64, 256, 4, 3),  # gate_up
+    (4096, 14336): GemvConfig(32, 256, 4, 4),  # down
+    (4096, 12288): GemvConfig(32, 256, 4, 4),  # draft_fc
+    (32000, 4096): GemvConfig(64, 256, 4, 3),  # draft_lm_head
 }
 
 
@@ -107,6 +121,34 @@ def _rows_kernel(x, w, out, M, N, x_row, w_row, out_row, K: tl.constexpr, ROWS: 
              mask=keep_m[:, None] & keep_n[None, :])
 
 
+@triton.jit(do_not_specialize=["M"])
+def _fp8_rows_kernel(x, codes, scale, out, M, N, x_row, w_row, out_row, K: tl.constexpr,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     IEEE: tl.constexpr):
+    m = tl.arange(0, ROWS)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    keep_m, keep_n = m < M, n < N
+    xs_at = x + m.to(tl.int64)[:, None] * x_row
+    ws_at = codes + n.to(tl.int64)[:, None] * w_row
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        k = start + tl.arange(0, BLOCK_K)
+        inside = k < K
+        xs = tl.load(xs_at + k[None, :], mask=keep_m[:, None] & inside[None, :], other=0.0)
+        ws = tl.load(ws_at + k[None, :], mask=keep_n[:, None] & inside[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(xs.to(tl.float32), tl.trans(ws.to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:  # float16 products: a pair of codes widens in one instruction, exactly (to
+            # bfloat16 it takes three). Widening is what bounds this kernel: clamping x to
+            # float16's range first (three more instructions an element) made it 10-20 %
+            # slower (docs/benchmarks.md, twenty-eighth part)
+            acc = tl.dot(xs.to(tl.float16), tl.trans(ws.to(tl.float16)), acc)
+    s = tl.load(scale + n, mask=keep_n, other=0.0)
+    tl.store(out + m[:, None] * out_row + n[None, :], (acc * s[None, :]).to(out.dtype.element_ty),
+             mask=keep_m[:, None] & keep_n[None, :])
+
+
 def padded_rows(rows: int) -> int:
     """The row count few_rows computes for ``rows`` (tl.dot's tiles: 16, 32 or 64)."""
     if not 1 <= rows <= MAX_ROWS:
@@ -140,6 +182,31 @@ def few_rows(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT) -> 
     return out
 
 
+def fp8_rows(x: torch.Tensor, w: Fp8Weight, config: GemvConfig = DEFAULT) -> torch.Tensor:
+    """x [M, K] (1 <= M <= MAX_ROWS; a 2-byte float or float32; rows may be strided, columns
+    contiguous) times a weight in fp8 (:func:`splitspec.kernels.quantize_fp8`), transposed:
+    [M, N] in x's dtype, as :func:`splitspec.kernels.fp8_linear_torch` (float32 sums, the
+    row's scale, one rounding) except that a 2-byte x is multiplied as float16: a bfloat16
+    value beyond float16's range (65504) becomes infinite, and its row's products with it.
+    As :func:`few_rows`, but it reads one byte a weight, not two."""
+    codes, scale, _ = w
+    n, k = codes.shape
+    if (x.dim() != 2 or x.shape[1] != k or codes.stride(1) != 1 or x.stride(1) != 1
+            or codes.dtype != FP8 or scale.shape != (n,) or scale.dtype != torch.float32):
+        raise ValueError(f"fp8_rows needs rows of {k} (got {tuple(x.shape)}), {FP8} codes "
+                         f"(got {codes.dtype}) with contiguous columns, and a float32 scale "
+                         f"per row ({n}, got {tuple(scale.shape)} {scale.dtype})")
+    rows = padded_rows(x.shape[0])
+    _check_blocks(config, least=16)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    ieee = x.dtype == torch.float32 or x.device.type == "cpu"
+    _fp8_rows_kernel[(triton.cdiv(n, config.block_n),)](
+        x, codes, scale, out, x.shape[0], n, x.stride(0), codes.stride(0), out.stride(0), K=k,
+        ROWS=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k, IEEE=ieee,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT) -> torch.Tensor:
     """x [1, K] (or [K]) times w [N, K] (rows may be strided, columns contiguous), transposed:
     [1, N] (or [N]) in x's dtype, as ``torch.nn.functional.linear(x, w)``."""
@@ -158,13 +225,23 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT) -> torc
     return out
 
 
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
     """``torch.nn.functional.linear(x, w)`` (no bias): one row of x through :func:`gemv` (with
     W's config from CONFIGS; None there: torch), 2 to MAX_ROWS rows of 2-byte floats through
     :func:`few_rows` where ROW_CONFIGS lists their shape, everything else through torch.
     ROW_CONFIGS were measured in bfloat16: in float32 each pipeline stage's tiles take twice
     the shared memory, and the qkv configs' would need 240 KiB, more than a Hopper GPU's
-    227 KiB (tests/kernel_variants.py)."""
+    227 KiB (tests/kernel_variants.py). A weight in fp8: 1 to MAX_ROWS rows of a 2-byte x
+    through :func:`fp8_rows` (FP8_CONFIGS), everything else through the weight it was made
+    from (more rows are bound by arithmetic, not by reading the weight)."""
+    if isinstance(w, Fp8Weight):
+        n, k = w.codes.shape
+        rows = x.numel() // k
+        if (1 <= rows <= MAX_ROWS and x.shape[-1] == k and x.stride(-1) == 1
+                and x.element_size() == 2):
+            config = FP8_CONFIGS.get((n, k), FP8_DEFAULT)
+            return fp8_rows(x.reshape(rows, k), w, config).reshape(*x.shape[:-1], n)
+        w = w.full
     n, k = w.shape
     if x.dtype == w.dtype and w.stride(1) == 1 and x.shape[-1] == k:
         rows = x.numel() // k
