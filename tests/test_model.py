@@ -239,3 +239,57 @@ def test_fused_projections_are_views_of_the_checkpoint_weights(models):
         attn.k_proj.weight[0, 0] += 1.0
         assert attn.qkv[attn.q_proj.weight.shape[0], 0] == attn.k_proj.weight[0, 0]
         attn.k_proj.weight[0, 0] -= 1.0
+
+
+def test_fp8_weights_round_each_row_to_its_own_scale():
+    """quantize_fp8: a row's largest magnitude maps to e4m3's 448, every weight is within
+    e4m3's rounding (2^-4 of its size, or of the smallest normal's step below it), an all-zero
+    row keeps scale 1, and ``full`` is the weight itself (no copy)."""
+    from splitspec.kernels import FP8, fp8_linear_torch, quantize_fp8
+
+    w = torch.randn(6, 64, generator=torch.Generator().manual_seed(0))
+    w[2] *= 1000.0  # rows of very different sizes: each gets its own scale
+    w[4] = 0.0
+    fp8 = quantize_fp8(w)
+    assert fp8.codes.dtype == FP8 and fp8.scale.dtype == torch.float32
+    assert fp8.full.data_ptr() == w.data_ptr()
+    assert fp8.codes.float().abs().amax(dim=1).tolist() == [448.0] * 4 + [0.0, 448.0]
+    assert fp8.scale[4] == 1.0
+    back = fp8.codes.float() * fp8.scale[:, None]
+    floor = 2.0 ** -9 * fp8.scale[:, None]  # e4m3's step below its smallest normal, 2^-6
+    assert bool(((back - w).abs() <= w.abs() / 16 + floor).all())
+    assert not torch.equal(back, w)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(fp8_linear_torch(x, fp8), x @ back.T, rtol=1e-5, atol=1e-4)
+
+
+def test_quantized_projections_are_used_and_stay_close(models):
+    """quantize_projections gives every projection of the target (attention, MLP, lm_head)
+    its fp8 copy, and the forward then goes through them: the logits change, by less than
+    the rounding's size, and the greedy token of most positions stays."""
+    from splitspec.model.layers import quantize_projections
+
+    ours, _ = models
+    ids, pos = list(range(5, 37)), torch.arange(32)
+    before, _ = Runner(ours).run(ids, pos, 32)
+    model = load_llama(BUILTIN_TARGET, torch.float32, "cpu")
+    layers = model.config.num_layers
+    assert quantize_projections(model) == 4 * layers + 1
+    assert set(model.model.layers[0].self_attn.fp8) == {"qkv", "o_proj"}
+    assert set(model.model.layers[0].mlp.fp8) == {"gate_up", "down"}
+    after, _ = Runner(model).run(ids, pos, 32)
+    assert not torch.equal(before, after), "the fp8 weights were not used"
+    change = (after - before).norm() / before.norm()
+    assert change < 0.1, change
+    agree = (after.argmax(-1) == before.argmax(-1)).float().mean()
+    assert agree >= 0.9, agree
+
+
+def test_quantizing_needs_the_fused_projections():
+    from splitspec.model.layers import LlamaMLP, quantize_projections
+
+    cfg = LlamaConfig.from_hf({"hidden_size": 16, "intermediate_size": 32,
+                               "num_attention_heads": 2, "num_hidden_layers": 1,
+                               "vocab_size": 8})
+    with pytest.raises(ValueError, match="fuse_weights first"):
+        quantize_projections(LlamaMLP(cfg))

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from splitspec.kernels import top_logprobs_torch
+from splitspec.kernels import Fp8Weight, top_logprobs_torch
 from splitspec.model.config import Eagle3Config
 from splitspec.model.layers import (
     AttentionContext,
@@ -54,6 +54,7 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Head(nn.Module):
     kernels: ModuleType | None = None  # set by use_fused_kernels (fc's and lm_head's projections)
+    fp8_projections = ("fc", "lm_head")  # its own, for quantize_projections
 
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
@@ -66,10 +67,12 @@ class Eagle3Head(nn.Module):
         self.lm_head = nn.Linear(layer.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(layer.vocab_size, dtype=torch.bool))
+        self.fp8: dict[str, Fp8Weight] = {}  # fc and lm_head, when quantize_projections ran
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [T, 3 * H_target] -> hidden [T, H]."""
-        return linear_of(self.kernels)(features.to(self.fc.weight.dtype), self.fc.weight)
+        return linear_of(self.kernels)(features.to(self.fc.weight.dtype),
+                                       self.fp8.get("fc", self.fc.weight))
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """The head's residual stream [T, H] -> draft-vocabulary logits [T, V_draft], float32."""
@@ -86,7 +89,7 @@ class Eagle3Head(nn.Module):
         return self.kernels.top_logprobs(logits, k)
 
     def _lm_head(self, g: torch.Tensor) -> torch.Tensor:
-        return linear_of(self.kernels)(self.norm(g), self.lm_head.weight)
+        return linear_of(self.kernels)(self.norm(g), self.fp8.get("lm_head", self.lm_head.weight))
 
     def layer_input(self, input_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """[input_layernorm(embed(input_ids)) ‖ hidden_norm(hidden)]: [T, 2H]; with the

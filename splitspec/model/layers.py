@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from splitspec.attention.base import AttentionBackend, AttentionMetadata
+from splitspec.kernels import Fp8Weight, fp8_linear_torch, quantize_fp8
 from splitspec.kv_cache import KVCache
 from splitspec.model.config import LlamaConfig, RopeConfig
 from splitspec.model.parallel import SINGLE, TPGroup, layout
@@ -90,10 +91,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def torch_linear(x: torch.Tensor, w: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """x W^T in torch: a weight in fp8 (quantize_projections) as its codes times its scales."""
+    if isinstance(w, Fp8Weight):
+        return fp8_linear_torch(x, w)
+    return nn.functional.linear(x, w)
+
+
 def linear_of(kernels: ModuleType | None):
-    """The projection x W^T: ``kernels.linear`` (one row through the GEMV kernel) when the
-    Triton kernels are on, else torch's."""
-    return nn.functional.linear if kernels is None else kernels.linear
+    """The projection x W^T: ``kernels.linear`` (one row through the GEMV kernel, a few rows
+    of an fp8 weight through its own kernel) when the Triton kernels are on, else torch's."""
+    return torch_linear if kernels is None else kernels.linear
 
 
 class LlamaAttention(nn.Module):
@@ -116,6 +124,7 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
         self.qkv: torch.Tensor | None = None  # set by fuse_weights
+        self.fp8: dict[str, Fp8Weight] = {}  # qkv and o_proj, when quantize_projections ran
 
     def fuse_weights(self) -> None:
         """One GEMM for q, k and v: the three weights become views of one [q+2kv, in]."""
@@ -127,7 +136,8 @@ class LlamaAttention(nn.Module):
         linear = linear_of(self.kernels)
         if self.qkv is not None:
             q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = linear(x, self.qkv).split([q_width, kv_width, kv_width], -1)
+            q, k, v = linear(x, self.fp8.get("qkv", self.qkv)).split(
+                [q_width, kv_width, kv_width], -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -136,7 +146,7 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary(q, k, positions)
         out = ctx.backend.forward(ctx.layer_offset + layer, q, k, v, ctx.meta, ctx.cache)
         return self.tp.all_reduce(linear(out.reshape(t, self.num_heads * self.head_dim),
-                                         self.o_proj.weight))
+                                         self.fp8.get("o_proj", self.o_proj.weight)))
 
 
 class LlamaMLP(nn.Module):
@@ -151,6 +161,7 @@ class LlamaMLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, stop - start, bias=False)
         self.down_proj = nn.Linear(stop - start, cfg.hidden_size, bias=False)
         self.gate_up: torch.Tensor | None = None  # set by fuse_weights
+        self.fp8: dict[str, Fp8Weight] = {}  # gate_up and down, when quantize_projections ran
 
     def fuse_weights(self) -> None:
         """One GEMM for gate and up: their weights become views of one [2I, H]."""
@@ -161,13 +172,13 @@ class LlamaMLP(nn.Module):
         if self.gate_up is None:
             act = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
         else:
-            gate_up = linear(x, self.gate_up)
+            gate_up = linear(x, self.fp8.get("gate_up", self.gate_up))
             if self.kernels is not None:
                 act = self.kernels.silu_mul(gate_up)
             else:
                 gate, up = gate_up.chunk(2, dim=-1)
                 act = nn.functional.silu(gate) * up
-        return self.tp.all_reduce(linear(act, self.down_proj.weight))
+        return self.tp.all_reduce(linear(act, self.fp8.get("down", self.down_proj.weight)))
 
 
 def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
@@ -181,6 +192,29 @@ def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
         lin.weight = nn.Parameter(fused[start:start + rows], requires_grad=lin.weight.requires_grad)
         start += rows
     return fused
+
+
+def quantize_projections(module: nn.Module) -> int:
+    """Give every projection of module a copy of its weight in fp8 (splitspec.kernels.
+    quantize_fp8), which the projections then use: the attention's and MLP's (fused first:
+    fuse_weights) and those a module lists in ``fp8_projections``. Returns how many. The
+    weights stay as they were beside their copies, for the many-row calls."""
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, LlamaAttention | LlamaMLP):
+            fused, other = ((sub.qkv, sub.o_proj) if isinstance(sub, LlamaAttention)
+                            else (sub.gate_up, sub.down_proj))
+            if fused is None:
+                raise ValueError(f"{type(sub).__name__}: fuse_weights first (its fused "
+                                 "projection is what is quantized)")
+            names = ("qkv", "o_proj") if isinstance(sub, LlamaAttention) else ("gate_up", "down")
+            sub.fp8 = {names[0]: quantize_fp8(fused), names[1]: quantize_fp8(other.weight)}
+            count += 2
+        elif hasattr(sub, "fp8_projections"):
+            sub.fp8 = {name: quantize_fp8(getattr(sub, name).weight)
+                       for name in sub.fp8_projections}
+            count += len(sub.fp8)
+    return count
 
 
 def use_fused_kernels(module: nn.Module, on: bool = True) -> None:

@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from splitspec.kernels import Fp8Weight
 from splitspec.model.config import LlamaConfig
 from splitspec.model.layers import AttentionContext, LlamaDecoderLayer, RMSNorm, linear_of
 from splitspec.model.parallel import SINGLE, TPGroup, VocabParallelEmbedding, layout
@@ -32,6 +33,7 @@ class LlamaForCausalLM(nn.Module):
     """Parameter names match Hugging Face's LlamaForCausalLM, so checkpoints load as they are."""
 
     kernels: ModuleType | None = None  # set by use_fused_kernels (lm_head's projection)
+    fp8_projections = ("lm_head",)  # its own, for quantize_projections (a standalone draft)
 
     def __init__(self, cfg: LlamaConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -40,6 +42,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(cfg, tp)
         start, stop = layout(cfg, tp).vocab if tp.size > 1 else (0, cfg.vocab_size)
         self.lm_head = nn.Linear(cfg.hidden_size, stop - start, bias=False)
+        self.fp8: dict[str, Fp8Weight] = {}  # lm_head, when quantize_projections ran
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 capture: tuple[int, ...] = ()) -> LlamaOutput:
@@ -71,7 +74,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [N, V] in float32 for normed hidden states [N, H] (on every rank)."""
-        logits = linear_of(self.kernels)(hidden, self.lm_head.weight).float()
+        logits = linear_of(self.kernels)(hidden,
+                                         self.fp8.get("lm_head", self.lm_head.weight)).float()
         if self.tp.size == 1:
             return logits
         width = layout(self.config, self.tp).vocab_shard
