@@ -29,6 +29,13 @@ class DraftConfig:
     port: int = option(50053, "gRPC port")
     dtype: str = option("float32", "weights and activations dtype", ("float32", "bfloat16", "float16"))
     device: str = option("cpu", "torch device (cpu, cuda, cuda:1, ...)")
+    quantize: str = option("none", "fp8 = the projections' weights also in fp8 (e4m3, a scale "
+                           "per output row), used where 1 to 64 rows pass (the tree levels; "
+                           "on CUDA, multiplied in float16, so an activation beyond 65504 "
+                           "spoils its row's draft): half the bytes read, a slightly "
+                           "different draft (the output is still the target's; acceptance "
+                           "may fall); on CPU slower, for checking acceptance; none = as "
+                           "loaded", ("none", "fp8"))
     cpu_threads: int = option(DEFAULT_CPU_THREADS, CPU_THREADS_HELP)
     attention_backend: str = option("auto", "attention backend; auto = flashinfer on CUDA in "
                                     "bfloat16/float16 when it is installed, else torch",
@@ -102,6 +109,11 @@ class DraftConfig:
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
         self.graph_shapes  # noqa: B018 - raises on a malformed --graph-trees
+        if self.quantize != "none" and self.kind == REPLAY:
+            raise ValueError(f"--quantize {self.quantize}: the replay draft has no weights")
+        if self.quantize != "none" and self.device.startswith("cuda") and self.dtype == "float32":
+            raise ValueError(f"--quantize {self.quantize} on CUDA needs --dtype bfloat16 or "
+                             "float16 (its kernel multiplies 2-byte activations)")
         if self.kind == REPLAY:
             self.check_replay()
         elif self.replay_file is not None:

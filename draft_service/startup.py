@@ -46,6 +46,7 @@ from splitspec.cuda_graphs import buckets_up_to
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, Startup
 from splitspec.kv_cache import KVCache, PagePool, memory_shortfall
+from splitspec.model.layers import quantize_projections
 from splitspec.model.loader import parse_dtype, use_cpu_threads
 from splitspec.replay import read_records
 from splitspec.sampling import SamplingParams
@@ -80,8 +81,11 @@ def load_config(cfg: DraftConfig) -> Detailed:
 def load_model(cfg: DraftConfig, spec: DraftSpec) -> Detailed:
     threads = use_cpu_threads(cfg.cpu_threads)
     model = load_draft_model(spec, parse_dtype(cfg.dtype), cfg.device)
+    quantized = ""
+    if cfg.quantize == "fp8":
+        quantized = f", {quantize_projections(model.module)} projections also in fp8"
     return Detailed(model, f"{model.num_parameters / 1e6:.1f}M parameters, {cfg.dtype} on "
-                    f"{cfg.device}, {threads}")
+                    f"{cfg.device}{quantized}, {threads}")
 
 
 def allocate_kv_cache(cfg: DraftConfig, model: DraftModel) -> Detailed:

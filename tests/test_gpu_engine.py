@@ -487,19 +487,20 @@ def test_tree_search_graphs_match_eager_search():
             table.release(pool)
 
 
-def _draft_variants_met_while_serving(out: str, device: str = "cuda") -> None:
+def _draft_variants_met_while_serving(out: str, quantize: str = "none",
+                                      device: str = "cuda") -> None:
     """(Run in a fresh process, whose Triton has met no variant yet.) The draft's start-up
     steps as the service runs them, then serving()'s exchanges: prompts of 2 and 9 tokens,
     then catch-ups of 1 to 5 entries with the captured 4x4 tree (graphs) and with shapes
     start-up did not capture (a chain and a 3-wide tree: eager), for one sequence and for
     two; writes the drafts' errors and the variants Triton compiled after serving() to out
-    (JSON)."""
+    (JSON). ``quantize``: the draft's --quantize."""
     from draft_service import startup as steps
     from splitspec import compile_watch
 
     compile_watch.watch()
     cfg = DraftConfig(model=BUILTIN_EAGLE3, max_context=256, max_running=8, page_size=PAGE,
-                      device=device, dtype="bfloat16")
+                      device=device, dtype="bfloat16", quantize=quantize)
     spec = steps.load_config(cfg).value
     model = steps.load_model(cfg, spec).value
     cache, pool = steps.allocate_kv_cache(cfg, model).value
@@ -525,18 +526,20 @@ def _draft_variants_met_while_serving(out: str, device: str = "cuda") -> None:
     Path(out).write_text(json.dumps([errors, compile_watch.compiled_while_serving()]))
 
 
-def test_the_drafts_start_up_meets_every_variant_serving_uses(tmp_path):
+@pytest.mark.parametrize("quantize", ["none", "fp8"])
+def test_the_drafts_start_up_meets_every_variant_serving_uses(tmp_path, quantize):
     """Start-up's graph capture and warmup meet every Triton variant the draft's requests use
     (in a fresh process, so variants other tests compiled hide nothing): the trained pair's
     end-to-end run compiled the GEMV kernel's one-row variant for the head's fc while
     serving, at a one-entry catch-up outside the graphs, and this test then found the top-k
     kernels' variant for a 3-wide tree, the width the policy's 3-node budget drafts
-    (docs/benchmarks.md, twentieth part)."""
+    (docs/benchmarks.md, twentieth part). With --quantize fp8 the projections of 1 to 64
+    rows take fp8_rows, whose variants start-up must meet as well."""
     import multiprocessing
 
     out = tmp_path / "met.json"
     child = multiprocessing.get_context("spawn").Process(
-        target=_draft_variants_met_while_serving, args=(str(out),))
+        target=_draft_variants_met_while_serving, args=(str(out), quantize))
     child.start()
     child.join(540)
     if child.is_alive():

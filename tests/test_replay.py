@@ -400,3 +400,12 @@ def test_malformed_records_fail_the_draft_process_at_load_model(tmp_path):
     assert [s["name"] for s in failed] == ["load_model"]
     assert f"{records} line 2" in failed[0]["error_message"]
     assert '"tokens" must be a non-empty list of token ids' in failed[0]["error_message"]
+
+
+def test_quantize_flag_is_refused_where_it_cannot_work(tmp_path):
+    records = tmp_path / "records.jsonl"
+    records.write_text('{"prompt": [1, 2], "tokens": [3]}\n')
+    with pytest.raises(ValueError, match="replay draft has no weights"):
+        parse_args(["--kind", "replay", "--replay-file", str(records), "--quantize", "fp8"]).check()
+    with pytest.raises(ValueError, match="needs --dtype bfloat16 or float16"):
+        parse_args(["--quantize", "fp8", "--device", "cuda"]).check()
