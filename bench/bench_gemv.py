@@ -35,7 +35,15 @@ import torch
 from graph_timing import graph_of, time_graph
 from graph_timing import parse_ints as ints
 
-from splitspec.kernels.gemv import MAX_ROWS, GemvConfig, few_rows, gemv, padded_rows
+from splitspec.kernels import fp8_linear_torch, quantize_fp8
+from splitspec.kernels.gemv import (
+    MAX_ROWS,
+    GemvConfig,
+    few_rows,
+    fp8_rows,
+    gemv,
+    padded_rows,
+)
 from splitspec.model.config import (
     EAGLE3_ARCHITECTURES,
     Eagle3Config,
@@ -115,7 +123,8 @@ def label_of(config: GemvConfig) -> str:
 
 
 def measure(name: str, shape: tuple[int, int], rows: int, configs: list[GemvConfig],
-            repeats: int, device: str, shrink: int) -> list[dict]:
+            repeats: int, device: str, shrink: int, fp8: bool = False,
+            bf16: bool = True) -> list[dict]:
     n, k = shape
     copies = copies_of(n, k)
     if shrink > 1:
@@ -125,18 +134,31 @@ def measure(name: str, shape: tuple[int, int], rows: int, configs: list[GemvConf
                for _ in range(copies)]
     x = torch.randn(rows, k, device=device, dtype=torch.bfloat16, generator=gen)
     want = torch.nn.functional.linear(x, weights[0])
-    step = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-2)
     kernel = gemv if rows == 1 else few_rows
-    variants: list[tuple[str, GemvConfig | None]] = [("torch", None)]
-    variants += [(label_of(c), c) for c in configs]
+    variants: list[tuple[str, GemvConfig | None, bool]] = [("torch", None, False)]
+    variants += [(label_of(c), c, False) for c in configs if bf16]
+    variants += [(label_of(c).replace("triton", "fp8"), c, True)
+                 for c in configs if fp8 and min(c.block_n, c.block_k) >= 16]
+    quantized = [quantize_fp8(w) for w in weights] if fp8 else []
+    if fp8:  # the fp8 variants are compared with the product of their own rounded weights
+        want_fp8 = fp8_linear_torch(x, quantized[0])
+        quant_error = float((want_fp8.float() - want.float()).norm() / want.float().norm())
     results = []
-    for label, config in variants:
-        def one(w: torch.Tensor, config: GemvConfig | None = config) -> torch.Tensor:
-            return torch.nn.functional.linear(x, w) if config is None else kernel(x, w, config)
+    for label, config, in_fp8 in variants:
+        reference = want_fp8 if in_fp8 else want
+        step = torch.finfo(torch.bfloat16).eps * reference.float().abs().clamp_min(1e-2)
 
-        def calls(one: Callable[[torch.Tensor], torch.Tensor] = one) -> None:
-            for w in weights:  # outputs left in the graph's pool: no copy kernel timed
-                one(w)
+        def one(i: int, config: GemvConfig | None = config, in_fp8: bool = in_fp8
+                ) -> torch.Tensor:
+            if in_fp8:
+                return fp8_rows(x, quantized[i], config)
+            if config is None:
+                return torch.nn.functional.linear(x, weights[i])
+            return kernel(x, weights[i], config)
+
+        def calls(one: Callable[[int], torch.Tensor] = one) -> None:
+            for i in range(len(weights)):  # outputs left in the graph's pool: no copy timed
+                one(i)
 
         if device == "cuda":
             graph = graph_of(calls)
@@ -145,13 +167,14 @@ def measure(name: str, shape: tuple[int, int], rows: int, configs: list[GemvConf
         else:
             calls()  # compiles (or interprets) once before the timings
             ms = statistics.median(time_eager(calls, repeats)) / copies
-        diff = float(((one(weights[0]).float() - want.float()).abs() / step).max())
-        share = n * k * 2 / (ms * 1e-3) / (BANDWIDTH_TB_S * 1e12)
+        diff = float(((one(0).float() - reference.float()).abs() / step).max())
+        share = n * k * (1 if in_fp8 else 2) / (ms * 1e-3) / (BANDWIDTH_TB_S * 1e12)
         results.append({"shape": name, "n": n, "k": k, "rows": rows, "variant": label,
                         "config": None if config is None else config._asdict(),
-                        "us_per_call": 1000 * ms, "share_of_bandwidth": share,
-                        "max_diff_steps": diff})
-        print(f"{name:14s} rows {rows:2d} {label:28s} {1000 * ms:8.2f} us  {share:5.3f} of "
+                        "fp8": in_fp8, "us_per_call": 1000 * ms,
+                        "share_of_bandwidth": share, "max_diff_steps": diff}
+                       | ({"fp8_relative_error": quant_error} if in_fp8 else {}))
+        print(f"{name:14s} rows {rows:2d} {label:36s} {1000 * ms:8.2f} us  {share:5.3f} of "
               f"4.5 TB/s  max diff {diff:.1f} steps", flush=True)
     return results
 
@@ -185,8 +208,34 @@ def row_configs(results: list[dict]) -> dict[tuple[int, int, int], tuple[dict | 
     return chosen
 
 
+def report_fp8(results: list[dict]) -> None:
+    """Per shape and row count: torch's time in bfloat16 against fp8_rows's best config, and
+    the relative error that rounding the weights to fp8 costs; then FP8_CONFIGS' lines."""
+    print("\nfp8 weights (fp8_rows) against torch in bfloat16:")
+    best = {}
+    for key in dict.fromkeys((r["shape"], r["rows"]) for r in results):
+        mine = [r for r in results if (r["shape"], r["rows"]) == key]
+        torch_us = next(r for r in mine if r["variant"] == "torch")["us_per_call"]
+        row = best[key] = min((r for r in mine if r["fp8"]), key=lambda r: r["us_per_call"])
+        print(f"{key[0]:14s} rows {key[1]:2d} torch {torch_us:7.2f} us, fp8 "
+              f"{row['us_per_call']:7.2f} us ({row['share_of_bandwidth']:.3f} of the fp8 "
+              f"weight's rate, {torch_us / row['us_per_call']:.2f}x, {row['variant']}); the "
+              f"weights' rounding: relative error {row['fp8_relative_error']:.4f}")
+    print("\nsplitspec/kernels/gemv.py FP8_CONFIGS (the best config at the fewest rows timed):")
+    for (name, rows), row in best.items():
+        if rows == min(r for s, r in best if s == name):
+            print(f"FP8_CONFIGS ({row['n']}, {row['k']}): {config_text(row['config'])},  "
+                  f"# {name}, rows {rows}")
+
+
 def report(results: list[dict]) -> None:
-    """The best variant per shape and row count, then the lines to paste into gemv.py."""
+    """The best variant per shape and row count, then the lines to paste into gemv.py (the
+    bfloat16 kernels'); then fp8_rows's, where measured."""
+    if any(r["fp8"] for r in results):
+        report_fp8(results)
+    results = [r for r in results if not r["fp8"]]
+    if not any(r["config"] for r in results):
+        return
     print("\nbest per shape and row count:")
     keys = list(dict.fromkeys((r["shape"], r["rows"]) for r in results))
     best = {key: best_of([r for r in results if (r["shape"], r["rows"]) == key])
@@ -249,6 +298,11 @@ def main() -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--shrink", type=int, default=1, help="divide every dimension by this "
                         "(and keep two copies of each weight): for a check on CPU")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also time fp8_rows (weights in float8 e4m3, a scale a row) over "
+                        "the same grid (blocks of 16 or more)")
+    parser.add_argument("--skip-bf16", action="store_true",
+                        help="time no bfloat16 Triton kernel (torch's linear stays, the baseline)")
     parser.add_argument("--out-json", type=Path)
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -276,7 +330,7 @@ def main() -> int:
                              "16 or more)")
             for name, shape in shapes.items():
                 results += measure(name, shape, rows, configs, args.repeats, args.device,
-                                   args.shrink)
+                                   args.shrink, args.fp8, not args.skip_bf16)
                 if args.device == "cuda":
                     torch.cuda.empty_cache()  # this shape's weights
     report(results)

@@ -254,13 +254,15 @@ def start_stack(draft_kind: str, models: Path, device: str, dtype: str,
                 max_running: int | None = None, env: dict[str, str] | None = None, *,
                 target_model: Path | None = None, draft_args: Sequence[str] | None = None,
                 draft_port: int | None = None, extra_args: Sequence[str] = (),
-                target_args: Sequence[str] = ()) -> tuple[list[subprocess.Popen], str]:
+                target_args: Sequence[str] = (), draft_extra: Sequence[str] = ()
+                ) -> tuple[list[subprocess.Popen], str]:
     """Draft and target on free ports; `max_running`: the target's (None: its default; the
     draft holds at least as many sequences); `env`: extra environment variables of both processes; `target_model`:
     the target checkpoint (None: models/target); `draft_args`: the draft's model flags in
     place of ``--model`` for draft_kind (for example the replay draft's); `draft_port`:
     the draft's port (None: a free one); `extra_args`:
-    more flags of both services (e.g. --max-context); `target_args`: the target's alone."""
+    more flags of both services (e.g. --max-context); `target_args`: the target's alone;
+    `draft_extra`: the draft's alone (e.g. --quantize fp8)."""
     draft_port = draft_port or free_port()
     target_model = target_model or models / "target"
     if draft_args is None:
@@ -272,7 +274,8 @@ def start_stack(draft_kind: str, models: Path, device: str, dtype: str,
                     else ["--max-running", str(max_running)])
     procs = [subprocess.Popen([sys.executable, "-m", "draft_service", "--port", str(draft_port),
                                *draft_args, "--target-model", str(target_model), "--device",
-                               device, "--dtype", dtype, *draft_limits, *extra_args],
+                               device, "--dtype", dtype, *draft_limits, *extra_args,
+                               *draft_extra],
                               stdout=subprocess.DEVNULL, env={**os.environ, **(env or {})})]
     target, address = start_target(target_model, device, dtype,
                                    ["--draft", f"127.0.0.1:{draft_port}", *limits, *extra_args,
@@ -333,9 +336,13 @@ def main() -> int:
                              "flag (repeatable; e.g. --target-flag=--early-exchange); each "
                              "mode runs on both stacks in turn and the second's is reported "
                              "against the first's")
+    parser.add_argument("--draft-flag", action="append", default=[],
+                        help="with --start: the same for the second stack's draft (e.g. "
+                             "--draft-flag=--quantize --draft-flag=fp8); with --target-flag, "
+                             "both go to the one second stack")
     args = parser.parse_args()
-    if args.target_flag and not args.start:
-        parser.error("--target-flag needs --start")
+    if (args.target_flag or args.draft_flag) and not args.start:
+        parser.error("--target-flag and --draft-flag need --start")
     names = args.shapes.split(",")
     shapes = {name: SHAPES[name] for name in names if name not in ("adaptive", "auto-off")}
     with_adaptive = "adaptive" in names
@@ -343,10 +350,12 @@ def main() -> int:
     targets = {"": args.target}  # label -> address; the first stack's label is ""
     if args.start:
         procs, targets[""] = start_stack(args.draft_kind, args.models, args.device, args.dtype)
-        if args.target_flag:
-            more, targets[" ".join(args.target_flag)] = start_stack(
+        if args.target_flag or args.draft_flag:
+            label = " ".join([*(f"target {f}" for f in args.target_flag),
+                              *(f"draft {f}" for f in args.draft_flag)])
+            more, targets[label] = start_stack(
                 args.draft_kind, args.models, args.device, args.dtype,
-                target_args=args.target_flag)
+                target_args=args.target_flag, draft_extra=args.draft_flag)
             procs += more
     try:
         stubs = {}

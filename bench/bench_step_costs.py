@@ -64,7 +64,7 @@ from splitspec.cuda_graphs import PROMPT_BUCKETS, StepGraphs
 from splitspec.kv_cache import KVCache, PagePool, PageTable
 from splitspec.model.config import Eagle3Config, LlamaConfig, read_hf_config
 from splitspec.model.eagle3 import Eagle3Head
-from splitspec.model.layers import use_fused_kernels
+from splitspec.model.layers import quantize_projections, use_fused_kernels
 from splitspec.model.llama import LlamaForCausalLM
 from splitspec.model.loader import allocate, finish, parse_dtype
 from splitspec.tree import ancestor_mask, positions
@@ -171,17 +171,19 @@ def host_ms(fn: Callable[[], object], iters: int) -> list[float]:
     return times
 
 
-def draft_floor_ms(cfg: Eagle3Config, depth: int, dtype: torch.dtype) -> float:
+def draft_floor_ms(cfg: Eagle3Config, depth: int, dtype: torch.dtype, fp8: bool = False) -> float:
     """The weight-read floor of drafting a tree of ``depth`` levels: fc once (the catch-up's
     features), then the layer and lm_head once a pass, ``depth`` passes (the catch-up's gives
-    the first level; each level but the last gives the next); embedding rows not counted."""
+    the first level; each level but the last gives the next); embedding rows not counted.
+    ``fp8``: the projections read as fp8 codes (a byte each; their scales not counted)."""
     layer = cfg.layer
     h, inter = layer.hidden_size, layer.intermediate_size
     qkv = (layer.num_heads + 2 * layer.num_kv_heads) * layer.head_dim * 2 * h
     o_proj = h * layer.num_heads * layer.head_dim
     one_pass = qkv + o_proj + 3 * h * inter + cfg.draft_vocab_size * h
     params = h * 3 * cfg.target_hidden_size + depth * one_pass
-    return 1000 * params * torch.empty((), dtype=dtype).element_size() / (BANDWIDTH_TB_S * 1e12)
+    size = 1 if fp8 else torch.empty((), dtype=dtype).element_size()
+    return 1000 * params * size / (BANDWIDTH_TB_S * 1e12)
 
 
 def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype) -> dict:
@@ -274,6 +276,9 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
     with torch.device("meta"):
         head = Eagle3Head(cfg)
     head = random_module(head, dtype, args.device)
+    fp8 = args.draft_quantize == "fp8"
+    if fp8:  # as the draft service's --quantize fp8
+        quantize_projections(head)
     head.d2t.zero_()
     head.t2d.fill_(True)
     model = Eagle3Draft(head)
@@ -318,7 +323,8 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
           f"{statistics.median(times):.3f} ms", flush=True)
     result = {"backend": name, "draft_ms": times, "target_layers": target_layers,
               "draft_graphs": search is not None,
-              "floor_ms": draft_floor_ms(cfg, args.depth, dtype)}
+              "quantize": args.draft_quantize, "floor_ms": draft_floor_ms(cfg, args.depth, dtype),
+              "floor_fp8_ms": draft_floor_ms(cfg, args.depth, dtype, fp8=True)}
     if search is not None:  # the catch-up-and-search graph replayed alone, then the same
         # calls with the catch-up run eagerly before the search
         (caught_up,) = search.caught_up.values()  # one bucket, one tree shape
@@ -358,6 +364,8 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--out-json", type=Path)
+    parser.add_argument("--draft-quantize", choices=["none", "fp8"], default="none",
+                        help="the head's projections as the draft service's --quantize")
     parser.add_argument("--torch-top-k", action="store_true", help="the draft's top k through "
                         "torch's log_softmax and topk instead of splitspec/kernels/top_logprobs.py "
                         "(top_logprobs.ROUTED off), as before the H200 measured the kernels")
@@ -397,6 +405,8 @@ def main() -> int:
         result["summary"]["draft_over_decode"] = statistics.median(draft["draft_ms"]) / decode
         result["summary"]["draft_floor_ms"] = draft["floor_ms"]
         result["summary"]["draft_floor_over_decode"] = draft["floor_ms"] / decode
+        result["summary"]["draft_quantize"] = draft["quantize"]
+        result["summary"]["draft_floor_fp8_over_decode"] = draft["floor_fp8_ms"] / decode
         if "draft_replay_queued_ms" in draft:
             result["summary"]["draft_graph_ms"] = statistics.median(
                 draft["draft_replay_queued_ms"])

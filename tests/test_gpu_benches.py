@@ -39,10 +39,10 @@ def test_step_costs_bench_runs_on_cpu(tmp_path):
     out = tmp_path / "costs.json"
     subprocess.run([sys.executable, "bench/bench_step_costs.py", "--shape", "builtin", "--device",
                     "cpu", "--dtype", "float32", "--iters", "3", "--warmup", "1", "--context", "32",
-                    "--torch-top-k", "--out-json", str(out)], cwd=REPO, check=True, timeout=300,
-                   capture_output=True)
+                    "--torch-top-k", "--draft-quantize", "fp8", "--out-json", str(out)],
+                   cwd=REPO, check=True, timeout=300, capture_output=True)
     result = json.loads(out.read_text())
-    assert result["torch_top_k"] is True
+    assert result["torch_top_k"] is True and result["summary"]["draft_quantize"] == "fp8"
     assert len(result["target"]["decode_ms"]) == 3 and len(result["draft"]["draft_ms"]) == 3
     assert result["target"]["backend"] == "torch" and not result["target"]["graphs"]
     summary = result["summary"]
@@ -54,6 +54,8 @@ def test_step_costs_bench_runs_on_cpu(tmp_path):
     floor = 1000 * (256 * 768 + 5 * one_level) * 4 / 4.5e12
     assert summary["draft_floor_ms"] == pytest.approx(floor)
     assert summary["draft_floor_over_decode"] == pytest.approx(floor / summary["decode_ms"])
+    # in fp8 a byte a weight, not float32's four
+    assert summary["draft_floor_fp8_over_decode"] == pytest.approx(floor / 4 / summary["decode_ms"])
 
 
 @pytest.mark.slow
@@ -121,6 +123,23 @@ def test_gemv_bench_runs_on_cpu():
     shapes = [(64, 64), (64, 224), (10, 20)]
     assert pasted == [f"CONFIGS     ({n}, {k})" for n, k in shapes] + [
         f"ROW_CONFIGS (16, {n}, {k})" for n, k in shapes], printed
+
+
+def test_gemv_bench_times_fp8_weights_on_cpu():
+    """--fp8 --skip-bf16: torch and fp8_rows per shape and row count, fp8_rows agreeing with
+    its own rounded weights' product, the rounding's relative error, and FP8_CONFIGS' lines
+    (one a shape, from its fewest rows)."""
+    results, printed = run_gemv_bench("--shrink", "64", "--shapes", "o_proj,gate_up",
+                                      "--rows", "4,1", "--fp8", "--skip-bf16")
+    assert [(r["shape"], r["rows"], r["variant"], r["fp8"]) for r in results] == [
+        (shape, rows, v, v != "torch") for rows in (4, 1) for shape in ("o_proj", "gate_up")
+        for v in ("torch", "fp8 n16 k32 w4 s3")]
+    fp8 = [r for r in results if r["fp8"]]
+    assert all(r["max_diff_steps"] <= 2 and 0 < r["fp8_relative_error"] < 0.1 for r in fp8)
+    pasted = [line.split(":")[0] for line in printed.splitlines()
+              if line.startswith("FP8_CONFIGS")]
+    assert pasted == ["FP8_CONFIGS (64, 64)", "FP8_CONFIGS (448, 64)"], printed
+    assert "ROW_CONFIGS" not in printed  # no bfloat16 kernel was timed
 
 
 def test_gemv_bench_reads_a_checkpoints_projections(tmp_path):
