@@ -118,13 +118,16 @@ def time_eager(calls: Callable[[], None], repeats: int) -> list[float]:
 
 
 def label_of(config: GemvConfig) -> str:
+    split = f" split{config.split_k}" if config.split_k != 1 else ""
     return (f"triton n{config.block_n} k{config.block_k} w{config.num_warps} "
-            f"s{config.num_stages}")
+            f"s{config.num_stages}{split}")
 
 
 def measure(name: str, shape: tuple[int, int], rows: int, configs: list[GemvConfig],
-            repeats: int, device: str, shrink: int, fp8: bool = False,
+            repeats: int, device: str, shrink: int, fp8_splits: tuple[int, ...] = (),
             bf16: bool = True) -> list[dict]:
+    """Torch's linear, the bfloat16 kernels over ``configs`` (unless not ``bf16``) and
+    fp8_rows over ``configs`` times ``fp8_splits`` (its split_k values; none: not timed)."""
     n, k = shape
     copies = copies_of(n, k)
     if shrink > 1:
@@ -137,10 +140,11 @@ def measure(name: str, shape: tuple[int, int], rows: int, configs: list[GemvConf
     kernel = gemv if rows == 1 else few_rows
     variants: list[tuple[str, GemvConfig | None, bool]] = [("torch", None, False)]
     variants += [(label_of(c), c, False) for c in configs if bf16]
-    variants += [(label_of(c).replace("triton", "fp8"), c, True)
-                 for c in configs if fp8 and min(c.block_n, c.block_k) >= 16]
-    quantized = [quantize_fp8(w) for w in weights] if fp8 else []
-    if fp8:  # the fp8 variants are compared with the product of their own rounded weights
+    variants += [(label_of(c._replace(split_k=split)).replace("triton", "fp8"),
+                  c._replace(split_k=split), True)
+                 for c in configs for split in fp8_splits if min(c.block_n, c.block_k) >= 16]
+    quantized = [quantize_fp8(w) for w in weights] if fp8_splits else []
+    if fp8_splits:  # the fp8 variants are compared with the product of their own rounded weights
         want_fp8 = fp8_linear_torch(x, quantized[0])
         quant_error = float((want_fp8.float() - want.float()).norm() / want.float().norm())
     results = []
@@ -180,7 +184,9 @@ def measure(name: str, shape: tuple[int, int], rows: int, configs: list[GemvConf
 
 
 def config_text(c: dict) -> str:
-    return f"GemvConfig({c['block_n']}, {c['block_k']}, {c['num_warps']}, {c['num_stages']})"
+    split = f", {c['split_k']}" if c.get("split_k", 1) != 1 else ""
+    return (f"GemvConfig({c['block_n']}, {c['block_k']}, {c['num_warps']}, "
+            f"{c['num_stages']}{split})")
 
 
 def best_of(results: list[dict]) -> tuple[dict, dict]:
@@ -301,6 +307,9 @@ def main() -> int:
     parser.add_argument("--fp8", action="store_true",
                         help="also time fp8_rows (weights in float8 e4m3, a scale a row) over "
                         "the same grid (blocks of 16 or more)")
+    parser.add_argument("--split-k", type=ints, default=[1],
+                        help="with --fp8: fp8_rows's split_k values to try (programs a block "
+                        "of W's rows is shared by)")
     parser.add_argument("--skip-bf16", action="store_true",
                         help="time no bfloat16 Triton kernel (torch's linear stays, the baseline)")
     parser.add_argument("--out-json", type=Path)
@@ -330,7 +339,8 @@ def main() -> int:
                              "16 or more)")
             for name, shape in shapes.items():
                 results += measure(name, shape, rows, configs, args.repeats, args.device,
-                                   args.shrink, args.fp8, not args.skip_bf16)
+                                   args.shrink, tuple(args.split_k) if args.fp8 else (),
+                                   not args.skip_bf16)
                 if args.device == "cuda":
                     torch.cuda.empty_cache()  # this shape's weights
     report(results)

@@ -419,7 +419,8 @@ def run_few_rows(device: str) -> None:
 
 def run_fp8_rows(device: str) -> None:
     """splitspec.kernels.gemv.fp8_rows against fp8_linear_torch: 1 to 64 rows, rows of x
-    strided, N not a multiple of the block, K a multiple of the loop's step or not; and
+    strided, N not a multiple of the block, K a multiple of the loop's step or not, K split
+    between programs (split_k) or not; and
     linear's routing of an fp8 weight (1 to 64 rows of a 2-byte x through fp8_rows, more, or
     float32 ones, through the weight it was made from). Compiled, a 2-byte x is multiplied in float16 (the interpreter runs
     float32 products): within two of x's rounding steps of the reference, which is held to
@@ -433,7 +434,11 @@ def run_fp8_rows(device: str) -> None:
              (torch.float32, 16, 40, 100, GemvConfig(16, 32, 4)),  # K not: a masked last step
              (torch.bfloat16, 40, 29, 200, GemvConfig(32, 64, 4)),  # 64 rows computed, 40 kept
              (torch.bfloat16, 4, 70, 48, GemvConfig(64, 64, 4, 2)),  # one step wider than K
-             (torch.float16, 64, 33, 128, GemvConfig(16, 64, 4))]
+             (torch.float16, 64, 33, 128, GemvConfig(16, 64, 4)),
+             # K shared by 3 programs a block (the last one's columns partly past K), then
+             # by 4 where the last has none
+             (torch.bfloat16, 5, 40, 200, GemvConfig(16, 32, 4, 3, 3)),
+             (torch.float32, 3, 24, 100, GemvConfig(16, 64, 4, 3, 4))]
     for dtype, m, n, k, config in cases:
         w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
         fp8 = quantize_fp8(w)

@@ -171,6 +171,10 @@ def _calls(shape: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], objec
                           partial(gemv.linear, _empty(rows, k, dtype=dtype), w)))
             calls.append((f"linear rows={rows} {n}x{k} fp8",
                           partial(gemv.linear, _empty(rows, k, dtype=dtype), fp8)))
+        if dtype != torch.float32:  # K shared by 4 programs, whatever FP8_CONFIGS chose
+            split = gemv.FP8_DEFAULT._replace(split_k=4)
+            calls.append((f"fp8_rows rows=4 {n}x{k} {split}",
+                          partial(gemv.fp8_rows, _empty(4, k, dtype=dtype), fp8, split)))
     return calls
 
 

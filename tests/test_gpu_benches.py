@@ -126,14 +126,16 @@ def test_gemv_bench_runs_on_cpu():
 
 
 def test_gemv_bench_times_fp8_weights_on_cpu():
-    """--fp8 --skip-bf16: torch and fp8_rows per shape and row count, fp8_rows agreeing with
+    """--fp8 --split-k 1,2 --skip-bf16: torch and fp8_rows (K whole and split in two) per
+    shape and row count, fp8_rows agreeing with
     its own rounded weights' product, the rounding's relative error, and FP8_CONFIGS' lines
     (one a shape, from its fewest rows)."""
     results, printed = run_gemv_bench("--shrink", "64", "--shapes", "o_proj,gate_up",
-                                      "--rows", "4,1", "--fp8", "--skip-bf16")
+                                      "--rows", "4,1", "--fp8", "--split-k", "1,2",
+                                      "--skip-bf16")
     assert [(r["shape"], r["rows"], r["variant"], r["fp8"]) for r in results] == [
         (shape, rows, v, v != "torch") for rows in (4, 1) for shape in ("o_proj", "gate_up")
-        for v in ("torch", "fp8 n16 k32 w4 s3")]
+        for v in ("torch", "fp8 n16 k32 w4 s3", "fp8 n16 k32 w4 s3 split2")]
     fp8 = [r for r in results if r["fp8"]]
     assert all(r["max_diff_steps"] <= 2 and 0 < r["fp8_relative_error"] < 0.1 for r in fp8)
     pasted = [line.split(":")[0] for line in printed.splitlines()

@@ -107,6 +107,23 @@ def test_gemv_refuses_what_it_cannot_multiply():
         gemv(torch.zeros(1, 16), w, GemvConfig(block_n=6))
 
 
+def test_fp8_rows_refuses_what_it_cannot_multiply():
+    from splitspec.kernels import Fp8Weight, quantize_fp8
+    from splitspec.kernels.gemv import GemvConfig, fp8_rows
+
+    w = quantize_fp8(torch.ones(8, 16))
+    with pytest.raises(ValueError, match="rows of 16"):
+        fp8_rows(torch.zeros(2, 8), w)
+    with pytest.raises(ValueError, match="codes"):
+        fp8_rows(torch.zeros(2, 16), Fp8Weight(w.full, w.scale, w.full))  # float32 "codes"
+    with pytest.raises(ValueError, match="scale"):
+        fp8_rows(torch.zeros(2, 16), Fp8Weight(w.codes, w.scale[:4], w.full))
+    with pytest.raises(ValueError, match="1 to 64 rows"):
+        fp8_rows(torch.zeros(65, 16), w)
+    with pytest.raises(ValueError, match="split_k"):
+        fp8_rows(torch.zeros(2, 16), w, GemvConfig(16, 16, 4, 3, 0))
+
+
 def test_embed_norm_pair_refuses_mismatched_inputs():
     """An EAGLE-3 layer's input kernel takes ids [T], a table [V, H] and states [T, H] of
     the table's dtype; anything else is refused before a launch."""

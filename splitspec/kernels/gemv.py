@@ -34,6 +34,8 @@ class GemvConfig(NamedTuple):
     block_k: int = 512   # columns a step of its loop
     num_warps: int = 4
     num_stages: int = 3  # Triton's software pipelining depth (3 is its default)
+    split_k: int = 1     # fp8_rows only: programs a row of W's blocks is shared by (their
+    # float32 sums added by a second kernel, in a fixed order)
 
 
 DEFAULT = GemvConfig()
@@ -67,6 +69,7 @@ ROW_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
 # fp8_rows's config by W's (N, K) (bench_gemv --fp8 prints these lines); other shapes take
 # FP8_DEFAULT. H200, session 32, measured at 4 rows (the EAGLE-3 head's tree levels).
 FP8_DEFAULT = GemvConfig(32, 256, 4, 4)
+SUM_BLOCK = 1024  # outputs a program of fp8_rows's second kernel adds (split_k > 1)
 FP8_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (6144, 8192): GemvConfig(64, 256, 4, 4),  # draft_qkv
     (4096, 4096): GemvConfig(32, 256, 4, 4),  # o_proj
@@ -124,14 +127,20 @@ def _rows_kernel(x, w, out, M, N, x_row, w_row, out_row, K: tl.constexpr, ROWS: 
 @triton.jit(do_not_specialize=["M"])
 def _fp8_rows_kernel(x, codes, scale, out, M, N, x_row, w_row, out_row, K: tl.constexpr,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     IEEE: tl.constexpr, SPLIT: tl.constexpr, K_PER: tl.constexpr):
+    """SPLIT > 1: program (i, j) sums columns [j K_PER, (j + 1) K_PER) of W's block i and
+    stores its float32 products at out[j] ([SPLIT, M, N]) for _sum_splits_kernel."""
     m = tl.arange(0, ROWS)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     keep_m, keep_n = m < M, n < N
     xs_at = x + m.to(tl.int64)[:, None] * x_row
     ws_at = codes + n.to(tl.int64)[:, None] * w_row
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for start in range(0, K, BLOCK_K):
+    if SPLIT > 1:
+        first = tl.program_id(1) * K_PER
+    else:  # bounds known when compiled, as few_rows's
+        first = 0
+    for start in range(first, first + K_PER, BLOCK_K):
         k = start + tl.arange(0, BLOCK_K)
         inside = k < K
         xs = tl.load(xs_at + k[None, :], mask=keep_m[:, None] & inside[None, :], other=0.0)
@@ -145,14 +154,27 @@ def _fp8_rows_kernel(x, codes, scale, out, M, N, x_row, w_row, out_row, K: tl.co
             # slower (docs/benchmarks.md, twenty-eighth part)
             acc = tl.dot(xs.to(tl.float16), tl.trans(ws.to(tl.float16)), acc)
     s = tl.load(scale + n, mask=keep_n, other=0.0)
+    if SPLIT > 1:
+        out += tl.program_id(1).to(tl.int64) * M * N
     tl.store(out + m[:, None] * out_row + n[None, :], (acc * s[None, :]).to(out.dtype.element_ty),
              mask=keep_m[:, None] & keep_n[None, :])
+
+
+@triton.jit
+def _sum_splits_kernel(parts, out, M, N, out_row, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keep = i < M * N
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(SPLIT):  # in order: the same sum on every run
+        total += tl.load(parts + j * M * N + i, mask=keep, other=0.0)
+    row, col = i // N, i % N
+    tl.store(out + row * out_row + col, total.to(out.dtype.element_ty), mask=keep)
 
 
 def padded_rows(rows: int) -> int:
     """The row count few_rows computes for ``rows`` (tl.dot's tiles: 16, 32 or 64)."""
     if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"few_rows takes 1 to {MAX_ROWS} rows, got {rows}")
+        raise ValueError(f"few_rows and fp8_rows take 1 to {MAX_ROWS} rows, got {rows}")
     return max(16, 1 << (rows - 1).bit_length())
 
 
@@ -198,12 +220,22 @@ def fp8_rows(x: torch.Tensor, w: Fp8Weight, config: GemvConfig = DEFAULT) -> tor
                          f"per row ({n}, got {tuple(scale.shape)} {scale.dtype})")
     rows = padded_rows(x.shape[0])
     _check_blocks(config, least=16)
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    m, split = x.shape[0], config.split_k
+    if split < 1:
+        raise ValueError(f"split_k must be at least 1, got {config}")
+    k_per = triton.cdiv(triton.cdiv(k, split), config.block_k) * config.block_k
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    parts = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
+                                               device=x.device)
     ieee = x.dtype == torch.float32 or x.device.type == "cpu"
-    _fp8_rows_kernel[(triton.cdiv(n, config.block_n),)](
-        x, codes, scale, out, x.shape[0], n, x.stride(0), codes.stride(0), out.stride(0), K=k,
-        ROWS=rows, BLOCK_N=config.block_n, BLOCK_K=config.block_k, IEEE=ieee,
+    _fp8_rows_kernel[(triton.cdiv(n, config.block_n), split)](
+        x, codes, scale, parts, m, n, x.stride(0), codes.stride(0),
+        out.stride(0) if split == 1 else n, K=k, ROWS=rows, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, IEEE=ieee, SPLIT=split, K_PER=k_per,
         num_warps=config.num_warps, num_stages=config.num_stages)
+    if split > 1:
+        _sum_splits_kernel[(triton.cdiv(m * n, SUM_BLOCK),)](
+            parts, out, m, n, out.stride(0), SPLIT=split, BLOCK=SUM_BLOCK)
     return out
 
 
