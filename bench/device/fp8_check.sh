@@ -6,7 +6,7 @@
 # 1. the GPU tests of fp8_rows (against its torch reference, compiled) and of the draft's
 #    start-up meeting every Triton variant serving uses, with --quantize fp8 and without;
 # 2. unless TUNE=skip, bench_gemv.py --fp8 over a grid at 4 rows, the EAGLE-3 head's shapes
-#    at the 8B size: the FP8_CONFIGS lines for gemv.py (~70 s);
+#    at the 8B size: the FP8_CONFIGS lines for gemv.py (~120 s);
 # 3. ROUNDS (default 1) rounds of bench_step_costs.py at the 8B shape, the head as loaded
 #    and in fp8, the order reversed in even rounds (~50 s a run);
 # 4. unless ACCEPT=skip, bench_speculation.py on the built-in pair in bfloat16: two stacks,
@@ -21,8 +21,9 @@ echo "GPU tests: rc $?"; tail -2 "$OUT/fp8_tests.log"
 cd bench
 if [ "${TUNE:-}" != skip ]; then
     timeout 150 python3 -u bench_gemv.py --fp8 --skip-bf16 --rows 4 \
-        --shapes draft_qkv,o_proj,gate_up,down,draft_fc,draft_lm_head --block-n 16,32,64 \
-        --block-k 128,256,512 --warps 4,8 --stages 3,4 --out-json "$OUT/gemv_fp8_tune.json" \
+        --shapes draft_qkv,o_proj,gate_up,down,draft_fc,draft_lm_head --block-n 32,64,128 \
+        --block-k 256,512 --warps 4 --stages 3,4 --split-k 1,2,4 \
+        --out-json "$OUT/gemv_fp8_tune.json" \
         > "$OUT/gemv_fp8_tune.log" 2>&1
     echo "tune: rc $?"; grep -A20 "^fp8 weights" "$OUT/gemv_fp8_tune.log"
 fi
