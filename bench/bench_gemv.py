@@ -117,6 +117,17 @@ def time_eager(calls: Callable[[], None], repeats: int) -> list[float]:
     return times
 
 
+SHARED_BYTES = 232448  # an sm_90 block's shared memory at most
+
+
+def fp8_shared_bytes(config: GemvConfig, rows: int) -> int:
+    """Shared memory fp8_rows's software pipeline takes for ``config`` at ``rows`` (a bfloat16
+    x): num_stages - 1 buffers, each an x tile (rows padded, 2 bytes) and a tile of codes.
+    It equals what Triton 3.9 reported compiling for sm_90 at every point of the tuning grid;
+    a config over SHARED_BYTES fails at launch, so the grid leaves it out."""
+    return (config.num_stages - 1) * config.block_k * (2 * padded_rows(rows) + config.block_n)
+
+
 def label_of(config: GemvConfig) -> str:
     split = f" split{config.split_k}" if config.split_k != 1 else ""
     return (f"triton n{config.block_n} k{config.block_k} w{config.num_warps} "
@@ -140,9 +151,13 @@ def measure(name: str, shape: tuple[int, int], rows: int, configs: list[GemvConf
     kernel = gemv if rows == 1 else few_rows
     variants: list[tuple[str, GemvConfig | None, bool]] = [("torch", None, False)]
     variants += [(label_of(c), c, False) for c in configs if bf16]
+    fits = [c for c in configs if min(c.block_n, c.block_k) >= 16
+            and fp8_shared_bytes(c, rows) <= SHARED_BYTES] if fp8_splits else []
+    if fp8_splits and len(fits) < len(configs):
+        print(f"{name:14s} rows {rows:2d} fp8: {len(configs) - len(fits)} configs left out "
+              f"(blocks under 16, or over {SHARED_BYTES} B of shared memory)", flush=True)
     variants += [(label_of(c._replace(split_k=split)).replace("triton", "fp8"),
-                  c._replace(split_k=split), True)
-                 for c in configs for split in fp8_splits if min(c.block_n, c.block_k) >= 16]
+                  c._replace(split_k=split), True) for c in fits for split in fp8_splits]
     quantized = [quantize_fp8(w) for w in weights] if fp8_splits else []
     if fp8_splits:  # the fp8 variants are compared with the product of their own rounded weights
         want_fp8 = fp8_linear_torch(x, quantized[0])
