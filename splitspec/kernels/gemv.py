@@ -67,16 +67,17 @@ ROW_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
 }
 
 # fp8_rows's config by W's (N, K) (bench_gemv --fp8 prints these lines); other shapes take
-# FP8_DEFAULT. H200, session 32, measured at 4 rows (the EAGLE-3 head's tree levels).
+# FP8_DEFAULT. H200, session 32, measured at 4 rows (the EAGLE-3 head's tree levels): the
+# shapes with 4096 or 6144 output rows split K in four.
 FP8_DEFAULT = GemvConfig(32, 256, 4, 4)
 SUM_BLOCK = 1024  # outputs a program of fp8_rows's second kernel adds (split_k > 1)
 FP8_CONFIGS: dict[tuple[int, int], GemvConfig] = {
-    (6144, 8192): GemvConfig(64, 256, 4, 4),  # draft_qkv
-    (4096, 4096): GemvConfig(32, 256, 4, 4),  # o_proj
-    (28672, 4096): GemvConfig(64, 256, 4, 3),  # gate_up
-    (4096, 14336): GemvConfig(32, 256, 4, 4),  # down
-    (4096, 12288): GemvConfig(32, 256, 4, 4),  # draft_fc
-    (32000, 4096): GemvConfig(64, 256, 4, 3),  # draft_lm_head
+    (6144, 8192): GemvConfig(64, 256, 4, 3, 4),  # draft_qkv, rows 4
+    (4096, 4096): GemvConfig(64, 256, 4, 3, 4),  # o_proj, rows 4
+    (28672, 4096): GemvConfig(128, 256, 4, 3),  # gate_up, rows 4
+    (4096, 14336): GemvConfig(128, 256, 4, 4, 4),  # down, rows 4
+    (4096, 12288): GemvConfig(128, 256, 4, 4, 4),  # draft_fc, rows 4
+    (32000, 4096): GemvConfig(128, 256, 4, 3),  # draft_lm_head, rows 4
 }
 
 
@@ -160,7 +161,7 @@ def _fp8_rows_kernel(x, codes, scale, out, M, N, x_row, w_row, out_row, K: tl.co
              mask=keep_m[:, None] & keep_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the row count varies: one variant for all
 def _sum_splits_kernel(parts, out, M, N, out_row, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     keep = i < M * N
