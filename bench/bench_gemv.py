@@ -38,9 +38,11 @@ from graph_timing import parse_ints as ints
 from splitspec.kernels import fp8_linear_torch, quantize_fp8
 from splitspec.kernels.gemv import (
     MAX_ROWS,
+    SHARED_BYTES,
     GemvConfig,
     few_rows,
     fp8_rows,
+    fp8_shared_bytes,
     gemv,
     padded_rows,
 )
@@ -117,17 +119,6 @@ def time_eager(calls: Callable[[], None], repeats: int) -> list[float]:
     return times
 
 
-SHARED_BYTES = 232448  # an sm_90 block's shared memory at most
-
-
-def fp8_shared_bytes(config: GemvConfig, rows: int) -> int:
-    """Shared memory fp8_rows's software pipeline takes for ``config`` at ``rows`` (a bfloat16
-    x): num_stages - 1 buffers, each an x tile (rows padded, 2 bytes) and a tile of codes.
-    It equals what Triton 3.9 reported compiling for sm_90 at every point of the tuning grid;
-    a config over SHARED_BYTES fails at launch, so the grid leaves it out."""
-    return (config.num_stages - 1) * config.block_k * (2 * padded_rows(rows) + config.block_n)
-
-
 def label_of(config: GemvConfig) -> str:
     split = f" split{config.split_k}" if config.split_k != 1 else ""
     return (f"triton n{config.block_n} k{config.block_k} w{config.num_warps} "
@@ -151,6 +142,8 @@ def measure(name: str, shape: tuple[int, int], rows: int, configs: list[GemvConf
     kernel = gemv if rows == 1 else few_rows
     variants: list[tuple[str, GemvConfig | None, bool]] = [("torch", None, False)]
     variants += [(label_of(c), c, False) for c in configs if bf16]
+    # configs over a block's shared memory would fail at launch (fp8_rows would cut their
+    # stages: those are other configs' times)
     fits = [c for c in configs if min(c.block_n, c.block_k) >= 16
             and fp8_shared_bytes(c, rows) <= SHARED_BYTES] if fp8_splits else []
     if fp8_splits and len(fits) < len(configs):

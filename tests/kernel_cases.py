@@ -468,6 +468,14 @@ def run_fp8_rows(device: str) -> None:
         assert routed.shape == (1, m, n)
         assert torch.equal(routed[0], got if calls else module.linear(x, w))
         assert torch.equal(wide, module.linear(many, w)), f"{what}: 65 rows not through W"
+    if device == "cuda":  # the shipped configs (split K, stages cut to fit at 33-64 rows)
+        for (n, k), config in module.FP8_CONFIGS.items():
+            fp8 = quantize_fp8(torch.randn(n, k, device=device, dtype=torch.bfloat16) / k ** 0.5)
+            for m in (1, 20, 40):
+                x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+                want = fp8_linear_torch(x, fp8)
+                close(module.linear(x, fp8), want, f"linear fp8 M={m} N={n} K={k} {config}",
+                      scale=want.abs() + 1e-2)
 
 
 def run_top_logprobs(device: str) -> None:

@@ -166,7 +166,7 @@ def _calls(shape: str, dtype: torch.dtype) -> list[tuple[str, Callable[[], objec
     for n, k in sorted(projections):
         w = _empty(n, k, dtype=dtype)
         fp8 = Fp8Weight(_empty(n, k, dtype=FP8), _empty(n), w)  # a draft's --quantize fp8
-        for rows in (1, 4, 9, 16, 33):
+        for rows in (1, 4, 9, 16, 20, 33):
             calls.append((f"linear rows={rows} {n}x{k}",
                           partial(gemv.linear, _empty(rows, k, dtype=dtype), w)))
             calls.append((f"linear rows={rows} {n}x{k} fp8",

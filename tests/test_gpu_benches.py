@@ -185,18 +185,3 @@ def test_gemv_bench_lists_a_row_config_only_where_it_beat_torch_at_every_row_cou
     assert row_configs([result("torch", 4, 10), result("a", 4, 8, a), result("b", 4, 9.5, b),
                         result("torch", 9, 10), result("a", 9, 10.5, a),
                         result("b", 9, 10.2, b)]) == {(16, 64, 64): (None, "s, rows 4,9")}
-
-
-def test_gemv_bench_leaves_out_fp8_configs_over_shared_memory():
-    """fp8_shared_bytes: what Triton 3.9 reported compiling fp8_rows for sm_90 at 4 rows
-    (session 32); (128, 512, stages 4) needs 245760 B, over the 232448 B a block may take,
-    and failed at launch in the first tuning run."""
-    sys.path.insert(0, str(REPO / "bench"))
-    from bench_gemv import SHARED_BYTES, fp8_shared_bytes
-
-    from splitspec.kernels.gemv import GemvConfig
-
-    assert fp8_shared_bytes(GemvConfig(64, 512, 4, 4), 4) == 147456
-    assert fp8_shared_bytes(GemvConfig(128, 256, 4, 3), 4) == 81920
-    assert fp8_shared_bytes(GemvConfig(128, 512, 4, 4), 4) == 245760 > SHARED_BYTES
-    assert fp8_shared_bytes(GemvConfig(32, 256, 4, 3), 40) == 2 * 256 * (2 * 64 + 32)

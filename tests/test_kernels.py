@@ -262,3 +262,30 @@ def test_few_rows_linear_routes_only_the_shapes_row_configs_lists(monkeypatch):
     # listed: 3 rows, 2 strided rows, 5 rows of a [1, 5, K]; not: 20 rows (pad 32), columns
     # strided, 65 rows, another N, float32
     assert seen == [(3, listed), (2, listed), (5, listed)]
+
+
+def test_fp8_configs_fit_shared_memory_at_every_row_count():
+    """fp8_shared_bytes: what Triton 3.9 reported compiling fp8_rows for sm_90 (session 32),
+    at 4 rows and at 40 (there the widened codes' tile too). (128, 256, 4 stages), down's
+    config tuned at 4 rows, would need 262144 B at 33-64 rows, over a block's 232448 B:
+    fitted cuts it to 3 stages, and every FP8_CONFIGS entry fits at every row count so."""
+    from splitspec.kernels.gemv import (
+        FP8_CONFIGS,
+        SHARED_BYTES,
+        GemvConfig,
+        fitted,
+        fp8_shared_bytes,
+    )
+
+    assert fp8_shared_bytes(GemvConfig(64, 512, 4, 4), 4) == 147456
+    assert fp8_shared_bytes(GemvConfig(128, 512, 4, 4), 4) == 245760
+    assert fp8_shared_bytes(GemvConfig(32, 256, 4, 2), 40) == 57344
+    down = GemvConfig(128, 256, 4, 4, 4)
+    assert fp8_shared_bytes(down, 40) == 262144 > SHARED_BYTES
+    assert fitted(down, 40) == GemvConfig(128, 256, 4, 3, 4)
+    assert fitted(down, 4) == down
+    for config in FP8_CONFIGS.values():
+        for rows in (1, 20, 64):
+            assert fp8_shared_bytes(fitted(config, rows), rows) <= SHARED_BYTES
+    with pytest.raises(ValueError, match="smaller blocks"):
+        fitted(GemvConfig(128, 1024, 4, 3), 64)

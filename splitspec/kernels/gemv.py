@@ -71,6 +71,7 @@ ROW_CONFIGS: dict[tuple[int, int, int], GemvConfig] = {
 # shapes with 4096 or 6144 output rows split K in four.
 FP8_DEFAULT = GemvConfig(32, 256, 4, 4)
 SUM_BLOCK = 1024  # outputs a program of fp8_rows's second kernel adds (split_k > 1)
+SHARED_BYTES = 232448  # an sm_90 block's shared memory at most
 FP8_CONFIGS: dict[tuple[int, int], GemvConfig] = {
     (6144, 8192): GemvConfig(64, 256, 4, 3, 4),  # draft_qkv, rows 4
     (4096, 4096): GemvConfig(64, 256, 4, 3, 4),  # o_proj, rows 4
@@ -205,13 +206,37 @@ def few_rows(x: torch.Tensor, w: torch.Tensor, config: GemvConfig = DEFAULT) -> 
     return out
 
 
+def fp8_shared_bytes(config: GemvConfig, rows: int) -> int:
+    """Shared memory fp8_rows's software pipeline takes for ``config`` at ``rows`` of a 2-byte
+    x: num_stages - 1 buffers, each an x tile (rows padded) and a tile of codes; with rows
+    padded to 64, also the codes' tile widened to float16. It equals what Triton 3.9 reported
+    compiling for sm_90 at 4, 20 and 40 rows for every block_n of 32-128, block_k of 256-512
+    and 2-4 stages; tests/kernel_variants.py compiles the configs serving uses."""
+    pad = padded_rows(rows)
+    widened = 2 * config.block_n * config.block_k if pad == MAX_ROWS else 0
+    return (config.num_stages - 1) * config.block_k * (2 * pad + config.block_n) + widened
+
+
+def fitted(config: GemvConfig, rows: int) -> GemvConfig:
+    """``config`` with fewer pipeline stages where its tiles at ``rows`` would take more than
+    a block's shared memory (FP8_CONFIGS were tuned at 4 rows; at 33-64 the x tile is four
+    times as tall). ValueError when even two stages do not fit."""
+    while fp8_shared_bytes(config, rows) > SHARED_BYTES and config.num_stages > 2:
+        config = config._replace(num_stages=config.num_stages - 1)
+    if fp8_shared_bytes(config, rows) > SHARED_BYTES:
+        raise ValueError(f"{config} needs {fp8_shared_bytes(config, rows)} B of shared memory "
+                         f"at {rows} rows, over {SHARED_BYTES}: take smaller blocks")
+    return config
+
+
 def fp8_rows(x: torch.Tensor, w: Fp8Weight, config: GemvConfig = DEFAULT) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_ROWS; a 2-byte float or float32; rows may be strided, columns
     contiguous) times a weight in fp8 (:func:`splitspec.kernels.quantize_fp8`), transposed:
     [M, N] in x's dtype, as :func:`splitspec.kernels.fp8_linear_torch` (float32 sums, the
     row's scale, one rounding) except that a 2-byte x is multiplied as float16: a bfloat16
     value beyond float16's range (65504) becomes infinite, and its row's products with it.
-    As :func:`few_rows`, but it reads one byte a weight, not two."""
+    As :func:`few_rows`, but it reads one byte a weight, not two. The config's stages are
+    cut to fit a block's shared memory (:func:`fitted`)."""
     codes, scale, _ = w
     n, k = codes.shape
     if (x.dim() != 2 or x.shape[1] != k or codes.stride(1) != 1 or x.stride(1) != 1
@@ -221,6 +246,7 @@ def fp8_rows(x: torch.Tensor, w: Fp8Weight, config: GemvConfig = DEFAULT) -> tor
                          f"per row ({n}, got {tuple(scale.shape)} {scale.dtype})")
     rows = padded_rows(x.shape[0])
     _check_blocks(config, least=16)
+    config = fitted(config, x.shape[0])
     m, split = x.shape[0], config.split_k
     if split < 1:
         raise ValueError(f"split_k must be at least 1, got {config}")
