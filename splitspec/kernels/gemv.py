@@ -152,7 +152,7 @@ def _fp8_rows_kernel(x, codes, scale, out, M, N, x_row, w_row, out_row, K: tl.co
                          input_precision="ieee")
         else:  # float16 products: a pair of codes widens in one instruction, exactly (to
             # bfloat16 it takes three). Widening is what bounds this kernel: clamping x to
-            # float16's range first (three more instructions an element) made it 10-20 %
+            # float16's range first (three more instructions an element) made it up to 17 %
             # slower (docs/benchmarks.md, twenty-eighth part)
             acc = tl.dot(xs.to(tl.float16), tl.trans(ws.to(tl.float16)), acc)
     s = tl.load(scale + n, mask=keep_n, other=0.0)
