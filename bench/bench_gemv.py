@@ -10,10 +10,15 @@ its share of the weight-read rate (4.5 TB/s, bench_decode_floor.py), and the lar
 difference from torch's output in units of the output's bf16 rounding step. Variants:
 ``torch`` (``nn.functional.linear``, cuBLAS) and the Triton kernel for each config of the
 grid (--block-n x --block-k x --warps x --stages): ``gemv`` at one row, ``few_rows`` at more.
-At the end it prints the CONFIGS and ROW_CONFIGS lines for gemv.py.
+At the end it prints the CONFIGS and ROW_CONFIGS lines for gemv.py. ``--fp8`` also times
+``fp8_rows`` (the weight in fp8, a byte each: its share counts one byte a weight; its
+difference is from its own rounded weight's product) over the grid and ``--split-k``, and
+prints the FP8_CONFIGS lines.
 
     python bench/bench_gemv.py --out-json /tmp/gemv.json
     python bench/bench_gemv.py --rows 4,9,16 --shapes qkv,o_proj,gate_up,down
+    python bench/bench_gemv.py --fp8 --skip-bf16 --rows 4 --split-k 1,2,4 \
+        --shapes draft_qkv,o_proj,gate_up,down,draft_fc,draft_lm_head
 
 ``--device cpu --shrink 64`` runs it on CPU (the kernel in Triton's interpreter, with
 TRITON_INTERPRET=1; every dimension divided by 64, two copies, eager calls timed on the
