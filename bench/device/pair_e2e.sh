@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One device call: train the benchmark pair on the GPU, then measure it end to end at batch
 # 1 (bench_speculation.py: OFF, the tree and the adaptive policy; with FLAG set, a second
-# stack whose target gets that flag, alternated with the first). Run from the repository
-# root with ".whl" and ".out" carried, limit 600 s:
+# stack whose target gets that flag, alternated with the first; with DRAFT_FLAGS, flags of
+# that second stack's draft). Run from the repository root with ".whl" and ".out" carried,
+# limit 600 s:
 #     bash bench/device/pair_e2e.sh [STEPS_SCALE]          (default 0.8)
 #     FLAG=--early-exchange bash bench/device/pair_e2e.sh
+#     DRAFT_FLAGS="--quantize fp8" bash bench/device/pair_e2e.sh
 #     PROMPTS=48 bash bench/device/pair_e2e.sh             (default 24 prompts a run)
 # The pair (about 440 MB) is too large to bring back, so it is trained in the same call:
 # 347 s at 0.8 on an H200 (session 17); the bench gets what is left of 575 s. Logs and the
@@ -25,6 +27,7 @@ cp /tmp/pair/manifest.json "$OUT/"
 left=$(( 575 - ($(date +%s) - started) ))
 flags=()
 if [ -n "${FLAG:-}" ]; then flags=("--target-flag=$FLAG"); fi
+for flag in ${DRAFT_FLAGS:-}; do flags+=("--draft-flag=$flag"); done
 cd bench && timeout "$left" python3 -u bench_speculation.py --start --draft-kind eagle3 \
     --models /tmp/pair --device cuda --dtype bfloat16 --prompts heldout --num-prompts "${PROMPTS:-24}" \
     --shapes tree,adaptive --repeats 3 --max-new-tokens 128 "${flags[@]}" > "$OUT/e2e.log" 2>&1
