@@ -54,7 +54,6 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Head(nn.Module):
     kernels: ModuleType | None = None  # set by use_fused_kernels (fc's and lm_head's projections)
-    fp8_projections = ("fc", "lm_head")  # its own, for quantize_projections
 
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
@@ -68,6 +67,10 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(layer.vocab_size, dtype=torch.bool))
         self.fp8: dict[str, Fp8Weight] = {}  # fc and lm_head, when quantize_projections ran
+
+    def projection_weights(self) -> dict[str, torch.Tensor]:
+        """Its own projections' weights (its layer's are the layer's), for quantize_projections."""
+        return {"fc": self.fc.weight, "lm_head": self.lm_head.weight}
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [T, 3 * H_target] -> hidden [T, H]."""

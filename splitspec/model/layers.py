@@ -130,6 +130,10 @@ class LlamaAttention(nn.Module):
         """One GEMM for q, k and v: the three weights become views of one [q+2kv, in]."""
         self.qkv = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
 
+    def projection_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the forward multiplies by, by their names in ``fp8``."""
+        return {"qkv": fused_weight(self, self.qkv), "o_proj": self.o_proj.weight}
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, layer: int,
                 ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
@@ -167,6 +171,10 @@ class LlamaMLP(nn.Module):
         """One GEMM for gate and up: their weights become views of one [2I, H]."""
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
+    def projection_weights(self) -> dict[str, torch.Tensor]:
+        """The weights the forward multiplies by, by their names in ``fp8``."""
+        return {"gate_up": fused_weight(self, self.gate_up), "down": self.down_proj.weight}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = linear_of(self.kernels)
         if self.gate_up is None:
@@ -196,25 +204,24 @@ def fuse_linears(*linears: nn.Linear) -> torch.Tensor:
 
 def quantize_projections(module: nn.Module) -> int:
     """Give every projection of module a copy of its weight in fp8 (splitspec.kernels.
-    quantize_fp8), which the projections then use: the attention's and MLP's (fused first:
-    fuse_weights) and those a module lists in ``fp8_projections``. Returns how many. The
-    weights stay as they were beside their copies, for the many-row calls."""
+    quantize_fp8), which the projections then use: each submodule's ``projection_weights()``
+    into its ``fp8``. Returns how many. The weights stay as they were beside their copies,
+    for the many-row calls."""
     count = 0
     for sub in module.modules():
-        if isinstance(sub, LlamaAttention | LlamaMLP):
-            fused, other = ((sub.qkv, sub.o_proj) if isinstance(sub, LlamaAttention)
-                            else (sub.gate_up, sub.down_proj))
-            if fused is None:
-                raise ValueError(f"{type(sub).__name__}: fuse_weights first (its fused "
-                                 "projection is what is quantized)")
-            names = ("qkv", "o_proj") if isinstance(sub, LlamaAttention) else ("gate_up", "down")
-            sub.fp8 = {names[0]: quantize_fp8(fused), names[1]: quantize_fp8(other.weight)}
-            count += 2
-        elif hasattr(sub, "fp8_projections"):
-            sub.fp8 = {name: quantize_fp8(getattr(sub, name).weight)
-                       for name in sub.fp8_projections}
+        if hasattr(sub, "projection_weights"):
+            sub.fp8 = {name: quantize_fp8(w) for name, w in sub.projection_weights().items()}
             count += len(sub.fp8)
     return count
+
+
+def fused_weight(module: nn.Module, fused: torch.Tensor | None) -> torch.Tensor:
+    """``fused`` (a module's q/k/v or gate/up weight), or ValueError when fuse_weights has not
+    run: the fused projection is the one the forward multiplies by."""
+    if fused is None:
+        raise ValueError(f"{type(module).__name__}: fuse_weights first (its fused projection is "
+                         "what is quantized)")
+    return fused
 
 
 def use_fused_kernels(module: nn.Module, on: bool = True) -> None:

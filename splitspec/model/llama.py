@@ -33,7 +33,6 @@ class LlamaForCausalLM(nn.Module):
     """Parameter names match Hugging Face's LlamaForCausalLM, so checkpoints load as they are."""
 
     kernels: ModuleType | None = None  # set by use_fused_kernels (lm_head's projection)
-    fp8_projections = ("lm_head",)  # its own, for quantize_projections (a standalone draft)
 
     def __init__(self, cfg: LlamaConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -43,6 +42,10 @@ class LlamaForCausalLM(nn.Module):
         start, stop = layout(cfg, tp).vocab if tp.size > 1 else (0, cfg.vocab_size)
         self.lm_head = nn.Linear(cfg.hidden_size, stop - start, bias=False)
         self.fp8: dict[str, Fp8Weight] = {}  # lm_head, when quantize_projections ran
+
+    def projection_weights(self) -> dict[str, torch.Tensor]:
+        """Its own projection's weight (lm_head), for quantize_projections (a standalone draft)."""
+        return {"lm_head": self.lm_head.weight}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 capture: tuple[int, ...] = ()) -> LlamaOutput:
