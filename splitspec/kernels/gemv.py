@@ -20,6 +20,7 @@ EAGLE-3 head's, or a checkpoint's) and prints the CONFIGS and ROW_CONFIGS lines.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -217,6 +218,7 @@ def fp8_shared_bytes(config: GemvConfig, rows: int) -> int:
     return (config.num_stages - 1) * config.block_k * (2 * pad + config.block_n) + widened
 
 
+@functools.cache  # per call on the eager path: a config and a padded row count
 def fitted(config: GemvConfig, rows: int) -> GemvConfig:
     """``config`` with fewer pipeline stages where its tiles at ``rows`` would take more than
     a block's shared memory (FP8_CONFIGS were tuned at 4 rows; at 33-64 the x tile is four
@@ -246,7 +248,7 @@ def fp8_rows(x: torch.Tensor, w: Fp8Weight, config: GemvConfig = DEFAULT) -> tor
                          f"per row ({n}, got {tuple(scale.shape)} {scale.dtype})")
     rows = padded_rows(x.shape[0])
     _check_blocks(config, least=16)
-    config = fitted(config, x.shape[0])
+    config = fitted(config, rows)
     m, split = x.shape[0], config.split_k
     if split < 1:
         raise ValueError(f"split_k must be at least 1, got {config}")
