@@ -276,8 +276,7 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
     with torch.device("meta"):
         head = Eagle3Head(cfg)
     head = random_module(head, dtype, args.device)
-    fp8 = args.draft_quantize == "fp8"
-    if fp8:  # as the draft service's --quantize fp8
+    if args.draft_quantize == "fp8":  # as the draft service's --quantize fp8
         quantize_projections(head)
     head.d2t.zero_()
     head.t2d.fill_(True)
