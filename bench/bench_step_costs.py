@@ -333,8 +333,10 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
               " ms (the call less this is its host work and copies)", flush=True)
         queued, launches = device_and_launch(caught_up.graph, args)
         result["draft_replay_queued_ms"], result["draft_launch_ms"] = queued, launches
+        floor = (f"fp8 floor {result['floor_fp8_ms']:.3f} ms" if args.draft_quantize == "fp8"
+                 else f"floor {result['floor_ms']:.3f} ms")
         print(f"draft graph (catch-up and search): {statistics.median(queued):.3f} ms a replay "
-              f"queued back to back (the device's time; floor {result['floor_ms']:.3f} ms), "
+              f"queued back to back (the device's time; {floor}), "
               f"launch {statistics.median(launches):.3f} ms of host time", flush=True)
         search.caught_up.clear()
         result["draft_two_pass_ms"] = timed(step, args.warmup, args.iters, args.device)
