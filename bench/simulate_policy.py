@@ -5,14 +5,15 @@ The input is a ``bench_concurrency.py --step-trace`` file. Its runs of one fixed
 ON, chain; or ON of ``--shape chain3`` for the chain) give, per concurrency, a pool of steps for each
 draft budget (0: off), with the machine's slow drift taken out of each run and kept as one
 factor of time that every mode shares (:class:`Machine`). A simulation feeds a fresh
-``gateway.policy.AdaptivePolicy`` one step after another: the policy's budget for the batch
-size of the step before (the target applies it per step) picks the pool, the next step of
-that pool (from a random starting point, wrapping), times the drift at the simulated clock,
-is what the step cost and committed, and the policy observes it as the target would report
-it. Per seed, adaptive's tokens per second over the steps after the first ``--settle`` is
-compared with the best budget (the highest median over all seeds) run alone on the same
-seed (the same drift and pool starts). Until session 14 it was compared with each seed's
-highest fixed rate, which flatters the best where budgets are a few per cent apart.
+``gateway.policy.AdaptivePolicy`` one step after another: the policy's budget for the
+step's batch size (the target applies it per step; :func:`simulate` says how the size is
+drawn) picks the pool, the next step of that pool (from a random starting point, wrapping),
+times the drift at the simulated clock, is what the step cost and committed, and the policy
+observes it as the target would report it. Per seed, adaptive's tokens per second over the
+steps after the first ``--settle`` is compared with the best budget (the highest median over
+all seeds) run alone on the same seed (the same drift and pool starts). Until session 14 it
+was compared with each seed's highest fixed rate, which flatters the best where budgets are
+a few per cent apart.
 
 What it leaves out: a switch of mode costs nothing beyond the steps the policy itself leaves
 out, and the drift is OFF's, laid end to end. Calibration: one probe's log ratio (probe
@@ -104,6 +105,7 @@ class Machine:
 
     def __init__(self, runs: dict[int, list[list[target_pb2.StepStats]]], window: int) -> None:
         self.pools: dict[int, list[target_pb2.StepStats]] = {}
+        self._kinds: dict[int, dict[tuple[int, bool], list[int]]] = {}  # next_like's index
         for budget, budget_runs in runs.items():
             steps = [s for run in budget_runs for s in run]
             mean = statistics.fmean(s.period_s for s in steps)
@@ -128,6 +130,19 @@ class Machine:
                 elapsed += step.period_s
         self.length_s = elapsed
 
+    def next_like(self, budget: int, step: target_pb2.StepStats, start: int) -> int | None:
+        """The index of ``budget``'s pool's next step (from ``start``, wrapping) that decoded
+        as many sequences as ``step`` and, like it, did or did not prefill a prompt (a mixed
+        step costs more); None when none did."""
+        where = self._kinds.setdefault(budget, defaultdict(list))
+        if not where:
+            for i, other in enumerate(self.pools[budget]):
+                where[other.batch_size, other.prefill_tokens > 0].append(i)
+        places = where.get((step.batch_size, step.prefill_tokens > 0))
+        if not places:
+            return None
+        return places[bisect.bisect_left(places, start) % len(places)]
+
     def drift_at(self, seconds: float) -> float:
         return self.drift[bisect.bisect_right(self.clock, seconds % self.length_s) - 1]
 
@@ -136,27 +151,46 @@ def simulate(machine: Machine, choose: Callable[[int], int],
              observe: Callable[[target_pb2.StepStats], object], concurrency: int, steps: int,
              settle: int, seed: int) -> tuple[float, Counter]:
     """Tokens per second after the first ``settle`` of ``steps`` steps, each run with the
-    budget ``choose`` gives for the batch size of the step before (and shown to ``observe``),
-    and the share of those steps per budget. A seed fixes where each pool and the drift start,
-    so runs of different choices with one seed see the same machine."""
+    budget ``choose`` gives for its own batch size (and shown to ``observe``), and the share of
+    those steps per budget. A seed fixes where each pool and the drift start, so runs of
+    different choices with one seed see the same machine.
+
+    The target applies the policy to the batch it is about to run, and that batch is what
+    the steps before left (an ending frees a slot, the next steps prefill into it). So the
+    next step of the pool the step before came from says the batch size, and whether a
+    prompt is prefilled beside it. When the policy gives that size another budget, the step
+    is the next one of that budget's pool of the same size and kind, and the walk goes on in
+    that pool. Where that pool has none (OFF's runs at 4 streams never decode 2 sequences:
+    their requests end together), the drawn step stands, in its own budget. (Until session
+    33 the budget was the one for the batch size of the step before, so at 2 streams a lone
+    batch of 1 between batches of 2 ran in the budget of 2: the budget of 1 was seldom
+    measured, and its probes were never judged.)"""
     rng = random.Random(seed)
     cursor = {budget: rng.randrange(len(pool)) for budget, pool in sorted(machine.pools.items())}
     clock = rng.uniform(0, machine.length_s)
-    batch, tokens, seconds, used = concurrency, 0, 0.0, Counter()
-    for i in range(steps):
-        budget = choose(batch)
+    tokens, seconds, used = 0, 0.0, Counter()
+
+    def chosen(batch_size: int) -> int:
+        budget = choose(batch_size)
         if budget not in machine.pools:
             raise ValueError(f"budget {budget} was chosen, which the traces lack (they have "
                              f"{sorted(machine.pools)})")
+        return budget
+
+    budget = chosen(concurrency)
+    for i in range(steps):
+        at = cursor[budget]
+        drawn = machine.pools[budget][at]
+        if drawn.batch_size and (own := chosen(drawn.batch_size)) != budget and (
+                found := machine.next_like(own, drawn, cursor[own])) is not None:
+            budget, at = own, found
         pool = machine.pools[budget]
         sample = target_pb2.StepStats()
-        sample.CopyFrom(pool[cursor[budget]])
-        cursor[budget] = (cursor[budget] + 1) % len(pool)
+        sample.CopyFrom(pool[at])
+        cursor[budget] = (at + 1) % len(pool)
         sample.period_s *= machine.drift_at(clock)
         clock += sample.period_s
         observe(sample)
-        if sample.batch_size:
-            batch = sample.batch_size
         if i >= settle:
             tokens += sample.committed_tokens
             seconds += sample.period_s

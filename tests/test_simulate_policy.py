@@ -13,7 +13,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import simulate_policy as sp  # bench/ is a script folder, not a package
 from bench_concurrency import TRACE_FIELDS
 
-from gateway.policy import AdaptivePolicy, adaptive_shapes, static_policy
+from gateway.policy import AdaptivePolicy, adaptive_shapes, parse_table, static_policy
+from splitspec.v1 import target_pb2
+from target_service.engine import shape_for
 
 
 def trace_line(mode: str, run: int, budget: int, period_s: float, committed: int,
@@ -128,3 +130,31 @@ def test_impossible_settings_are_refused(tmp_path, capsys, argv):
     assert exit_.value.code == 2
     assert "--steps must exceed --settle, and --seeds and --window be >= 1" in (
         capsys.readouterr().err)
+
+
+def test_each_step_runs_the_budget_the_policy_gives_its_own_batch_size():
+    """A 2-stream workload whose batch drops to 1 now and then, under a policy of the tree at
+    batch 1 and OFF above: every replayed step of 1 sequence speculates and every step of 2
+    does not, as the target applies the policy to the batch it runs (chosen by the batch
+    before, a lone step of 1 after steps of 2 ran OFF)."""
+    def run(budget: int, period_s: float, committed: int) -> list:
+        return [target_pb2.StepStats(batch_size=size, speculated=budget > 0 and size > 0,
+                                     tree_budget=budget,
+                                     committed_tokens=committed * size, period_s=period_s)
+                for size in [2, 2, 2, 1, 2, 1, 1, 2, 2, 0] * 20]
+
+    machine = sp.Machine({0: [run(0, 0.010, 1)], 8: [run(8, 0.020, 3)]}, 8)
+    policy = parse_table("1:8/4/4,*:0", sp.TREE)
+    seen = []
+    sp.simulate(machine, lambda batch: shape_for(policy, batch, sp.TREE).num_draft_tokens,
+                seen.append, concurrency=2, steps=600, settle=0, seed=3)
+    sizes = {(s.batch_size, s.speculated) for s in seen}
+    assert sizes == {(1, True), (2, False), (0, False)}, sizes
+
+    # where the tree's runs never decoded 1 sequence, OFF's steps of 1 stand, in OFF
+    no_ones = [s for s in run(8, 0.020, 3) if s.batch_size != 1]
+    machine = sp.Machine({0: [run(0, 0.010, 1)], 8: [no_ones]}, 8)
+    seen.clear()
+    sp.simulate(machine, lambda batch: shape_for(policy, batch, sp.TREE).num_draft_tokens,
+                seen.append, concurrency=2, steps=600, settle=0, seed=3)
+    assert {(s.batch_size, s.speculated) for s in seen} == {(1, False), (2, False), (0, False)}
