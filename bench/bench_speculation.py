@@ -13,6 +13,7 @@ target on free ports (``--draft-kind eagle3|standalone|self``).
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import queue
@@ -202,6 +203,16 @@ def describe_split(split: dict[str, float]) -> str:
             f"{split['resumed_draft_s']:.3f}) + between steps {split['between_steps_s']:.3f}")
 
 
+def run_record(stats: RunStats) -> dict:
+    """One run for ``--out-json``: its rate, acceptance, median step parts (speculative and
+    plain) and the split of its wall time, so a run other than the last can be read too."""
+    return {"tokens_per_s": stats.tokens_per_s, "wall_s": stats.wall_s,
+            "mean_accepted": stats.mean_accepted,
+            "acceptance_by_depth": stats.acceptance_by_depth,
+            "step": breakdown(stats.steps, True), "plain_step": breakdown(stats.steps, False),
+            "time_split": time_split(stats.steps, stats.wall_s)}
+
+
 def run_gateway(address: str, prompts: list[str], max_new: int, mode: int) -> float:
     """End-to-end tokens/s through the gateway, one request at a time."""
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
@@ -340,6 +351,9 @@ def main() -> int:
                         help="with --start: the same for the second stack's draft (e.g. "
                              "--draft-flag=--quantize --draft-flag=fp8); with --target-flag, "
                              "both go to the one second stack")
+    parser.add_argument("--out-json", type=Path,
+                        help="write every run's figures here (per stack and mode, in order), "
+                             "not only the last run's that the report prints")
     args = parser.parse_args()
     if (args.target_flag or args.draft_flag) and not args.start:
         parser.error("--target-flag and --draft-flag need --start")
@@ -374,6 +388,7 @@ def main() -> int:
             modes["adaptive"] = "adaptive"
         rates: dict[tuple[str, str], list[float]] = {(t, m): [] for t in stubs for m in modes}
         last: dict[tuple[str, str], RunStats] = {}
+        records: dict[str, dict[str, list[dict]]] = {t: {m: [] for m in modes} for t in stubs}
         num, topk, steps = SHAPES["tree"]
         policies = {label: AdaptivePolicy(adaptive_shapes("", common_pb2.DraftShape(
             num_draft_tokens=num, topk=topk, num_steps=steps))) for label in stubs}
@@ -385,6 +400,11 @@ def main() -> int:
                     last[label, name] = run_target(stub, prompts, args.max_new_tokens,
                                                    run_shape, args.concurrency)
                     rates[label, name].append(last[label, name].tokens_per_s)
+                    records[label][name].append(run_record(last[label, name]))
+            if args.out_json:  # after every round: a run cut short keeps the rounds before
+                args.out_json.write_text(json.dumps({
+                    "command": " ".join(sys.argv), "targets": targets, "runs": records},
+                    indent=1))
         for label, address in targets.items():
             print(f"target {address}{f' ({label})' if label else ''}, {len(prompts)} "
                   f"{args.prompts} prompts x {args.max_new_tokens} tokens, concurrency "

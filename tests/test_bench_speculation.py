@@ -2,6 +2,7 @@
 statistics), which separates the adaptive policy's probes and the catch-ups that begin
 them from the time between steps."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_speculation as bs  # bench/ is a script folder, not a package
 
-from splitspec.v1 import target_pb2
+from splitspec.v1 import common_pb2, target_pb2
 
 
 def step(n: int, speculated: bool, total_s: float, draft_s: float = 0.0,
@@ -38,3 +39,19 @@ def test_a_runs_time_splits_into_prompts_plain_speculative_resumed_and_between_s
     text = bs.describe_split(split)
     assert "prompts alone 0.003 (1) + plain steps 0.004 (4)" in text
     assert "between steps 0.005" in text
+
+
+def test_every_run_is_recorded_with_its_rate_parts_and_time_split():
+    """--out-json keeps each run's figures: a run of 30 tokens in 0.02 s whose two decode
+    steps (one speculative, one plain) and prompt step split its wall time."""
+    prompt = target_pb2.StepStats(step=0, batch_size=0, prefill_tokens=16, total_s=0.003)
+    stats = bs.RunStats(tokens=30, wall_s=0.020, steps=[
+        prompt, step(1, True, 0.004, draft_s=0.002), step(2, False, 0.001)])
+    stats.add_request(common_pb2.SpecStats(verify_steps=1, accepted_tokens=2))
+    record = bs.run_record(stats)
+    assert record["tokens_per_s"] == pytest.approx(1500.0)
+    assert record["mean_accepted"] == pytest.approx(2.0)
+    assert record["step"]["steps"] == 1 and record["step"]["draft_ms"] == pytest.approx(2.0)
+    assert record["plain_step"]["steps"] == 1
+    assert record["time_split"]["between_steps_s"] == pytest.approx(0.012)
+    json.dumps(record)  # it must be writable as JSON

@@ -10,9 +10,10 @@
 #     PROMPTS=48 bash bench/device/pair_e2e.sh             (default 24 prompts a run)
 # The pair (about 440 MB) is too large to bring back, so it is trained in the same call:
 # 347 s at 0.8 on an H200 (session 17); the bench gets what is left of 575 s. Logs and the
-# pair's manifest go to $OUT (train.log, manifest.json, e2e.log). Where 80 s are left, the
-# kernel caches go to $OUT/fiws.txz (copy it to .out/): without the pair's flashinfer kernels
-# there, start-up compiles them (134 s in session 24) and the bench has room for few prompts.
+# pair's manifest go to $OUT (train.log, manifest.json, e2e.log, and every run's figures in
+# e2e.json). Where 80 s are left, the kernel caches go to $OUT/fiws.txz (copy it to .out/):
+# without the pair's flashinfer kernels there, start-up compiles them (134 s in session 24)
+# and the bench has room for few prompts.
 set -uo pipefail
 scale=${1:-0.8}
 source bench/device/setup.sh
@@ -29,8 +30,9 @@ flags=()
 if [ -n "${FLAG:-}" ]; then flags=("--target-flag=$FLAG"); fi
 for flag in ${DRAFT_FLAGS:-}; do flags+=("--draft-flag=$flag"); done
 cd bench && timeout "$left" python3 -u bench_speculation.py --start --draft-kind eagle3 \
-    --models /tmp/pair --device cuda --dtype bfloat16 --prompts heldout --num-prompts "${PROMPTS:-24}" \
-    --shapes tree,adaptive --repeats 3 --max-new-tokens 128 "${flags[@]}" > "$OUT/e2e.log" 2>&1
+    --models /tmp/pair --device cuda --dtype bfloat16 --prompts heldout \
+    --num-prompts "${PROMPTS:-24}" --shapes tree,adaptive --repeats 3 --max-new-tokens 128 \
+    --out-json "$OUT/e2e.json" "${flags[@]}" > "$OUT/e2e.log" 2>&1
 echo "bench: rc $? ($left s allowed)"
 grep -v -E " (INFO|WARNING) " "$OUT/e2e.log"
 grep -h "while serving" "$OUT/e2e.log" || echo "no Triton variant compiled while serving"
