@@ -342,6 +342,9 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     parser.add_argument("--repeats", type=int, default=5, help="runs per mode; medians reported")
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="untimed rounds of every mode first (the adaptive policy keeps "
+                             "what it learns in them); --out-json records them apart")
     parser.add_argument("--target-flag", action="append", default=[],
                         help="with --start: also start a second stack whose target gets this "
                              "flag (repeatable; e.g. --target-flag=--early-exchange); each "
@@ -357,6 +360,8 @@ def main() -> int:
     args = parser.parse_args()
     if (args.target_flag or args.draft_flag) and not args.start:
         parser.error("--target-flag and --draft-flag need --start")
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error("--repeats must be >= 1 and --warmup >= 0")
     names = args.shapes.split(",")
     shapes = {name: SHAPES[name] for name in names if name not in ("adaptive", "auto-off")}
     with_adaptive = "adaptive" in names
@@ -389,26 +394,31 @@ def main() -> int:
         rates: dict[tuple[str, str], list[float]] = {(t, m): [] for t in stubs for m in modes}
         last: dict[tuple[str, str], RunStats] = {}
         records: dict[str, dict[str, list[dict]]] = {t: {m: [] for m in modes} for t in stubs}
+        warmups: dict[str, dict[str, list[dict]]] = {t: {m: [] for m in modes} for t in stubs}
         num, topk, steps = SHAPES["tree"]
         policies = {label: AdaptivePolicy(adaptive_shapes("", common_pb2.DraftShape(
             num_draft_tokens=num, topk=topk, num_steps=steps))) for label in stubs}
-        for _ in range(args.repeats):
+        for round_ in range(args.warmup + args.repeats):
+            timed = round_ >= args.warmup
             for name, shape in modes.items():  # interleaved, so drift hits all alike
                 for label, stub in stubs.items():
                     # one policy per stack: it learns
                     run_shape = policies[label] if shape == "adaptive" else shape
-                    last[label, name] = run_target(stub, prompts, args.max_new_tokens,
-                                                   run_shape, args.concurrency)
-                    rates[label, name].append(last[label, name].tokens_per_s)
-                    records[label][name].append(run_record(last[label, name]))
+                    stats = run_target(stub, prompts, args.max_new_tokens, run_shape,
+                                       args.concurrency)
+                    (records if timed else warmups)[label][name].append(run_record(stats))
+                    if timed:
+                        last[label, name] = stats
+                        rates[label, name].append(stats.tokens_per_s)
             if args.out_json:  # after every round: a run cut short keeps the rounds before
                 args.out_json.write_text(json.dumps({
-                    "command": " ".join(sys.argv), "targets": targets, "runs": records},
-                    indent=1))
+                    "command": " ".join(sys.argv), "targets": targets, "runs": records,
+                    "warmup_runs": warmups}, indent=1))
         for label, address in targets.items():
             print(f"target {address}{f' ({label})' if label else ''}, {len(prompts)} "
                   f"{args.prompts} prompts x {args.max_new_tokens} tokens, concurrency "
-                  f"{args.concurrency}, {args.repeats} runs per mode")
+                  f"{args.concurrency}, {args.repeats} runs per mode"
+                  + (f" after {args.warmup} untimed round(s)" if args.warmup else ""))
             for name in modes:
                 ratio = statistics.median(on / off for on, off in zip(
                     rates[label, name], rates[label, "OFF"], strict=True))

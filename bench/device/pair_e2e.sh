@@ -8,6 +8,7 @@
 #     FLAG=--early-exchange bash bench/device/pair_e2e.sh
 #     DRAFT_FLAGS="--quantize fp8" bash bench/device/pair_e2e.sh
 #     PROMPTS=48 bash bench/device/pair_e2e.sh             (default 24 prompts a run)
+#     WARMUP=1 bash bench/device/pair_e2e.sh               (untimed rounds first; default 0)
 # The pair (about 440 MB) is too large to bring back, so it is trained in the same call:
 # 347 s at 0.8 on an H200 (session 17); the bench gets what is left of 575 s. Logs and the
 # pair's manifest go to $OUT (train.log, manifest.json, e2e.log, and every run's figures in
@@ -32,7 +33,7 @@ for flag in ${DRAFT_FLAGS:-}; do flags+=("--draft-flag=$flag"); done
 cd bench && timeout "$left" python3 -u bench_speculation.py --start --draft-kind eagle3 \
     --models /tmp/pair --device cuda --dtype bfloat16 --prompts heldout \
     --num-prompts "${PROMPTS:-24}" --shapes tree,adaptive --repeats 3 --max-new-tokens 128 \
-    --out-json "$OUT/e2e.json" "${flags[@]}" > "$OUT/e2e.log" 2>&1
+    --warmup "${WARMUP:-0}" --out-json "$OUT/e2e.json" "${flags[@]}" > "$OUT/e2e.log" 2>&1
 echo "bench: rc $? ($left s allowed)"
 grep -v -E " (INFO|WARNING) " "$OUT/e2e.log"
 grep -h "while serving" "$OUT/e2e.log" || echo "no Triton variant compiled while serving"
