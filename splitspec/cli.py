@@ -181,12 +181,17 @@ def stack_specs(args: argparse.Namespace) -> list[ChildSpec]:
     python = sys.executable
     specs = []
     target_argv = [python, "-m", "target_service", "--port", str(args.target_port)]
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    placed = ([] if args.device == "cpu" else ["--device", args.device]) + (
+        [] if dtype == "float32" else ["--dtype", dtype])  # the services' defaults: cpu, float32
     if args.draft_kind != "none":
         default_draft = BUILTIN_EAGLE3 if args.draft_kind == "eagle3" else BUILTIN_DRAFT
         draft_model = args.draft_model or default_draft
-        draft_argv = [python, "-m", "draft_service", "--port", str(args.draft_port)]
+        draft_argv = [python, "-m", "draft_service", "--port", str(args.draft_port), *placed]
         if args.draft_model or args.draft_kind != "eagle3":
             draft_argv += ["--model", str(draft_model)]
+        if args.draft_quantize != "none":
+            draft_argv += ["--quantize", args.draft_quantize]
         specs.append(ChildSpec("draft", tuple(draft_argv)))
         target_argv += ["--draft", f"localhost:{args.draft_port}"]
     gateway_argv = [python, "-m", "gateway", "--port", str(args.gateway_port),
@@ -194,7 +199,7 @@ def stack_specs(args: argparse.Namespace) -> list[ChildSpec]:
     if args.target_model:
         target_argv += ["--model", str(args.target_model)]
         gateway_argv += ["--model", str(args.target_model)]
-    specs.append(ChildSpec("target", tuple(target_argv)))
+    specs.append(ChildSpec("target", tuple(target_argv + placed)))
     specs.append(ChildSpec("gateway", tuple(gateway_argv)))
     return specs
 
@@ -452,6 +457,14 @@ def build_parser() -> argparse.ArgumentParser:
                          f"(default: {BUILTIN_TARGET})")
     up.add_argument("--draft-model", type=Path, default=None,
                     help="draft checkpoint folder (default: the built-in one of --draft-kind)")
+    up.add_argument("--device", default="cpu",
+                    help="torch device of the draft and the target (cpu, cuda, cuda:1, ...)")
+    up.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                    help="weights and activations dtype of the draft and the target (default: "
+                         "float32 on cpu, else bfloat16)")
+    up.add_argument("--draft-quantize", choices=("none", "fp8"), default="none",
+                    help="the draft service's --quantize: fp8 keeps the draft's projections "
+                         "also in fp8 (a GPU in bfloat16 or float16; see README)")
     up.add_argument("--startup-timeout-s", type=float, default=600.0,
                     help="give up when the gateway is not SERVING after this long")
     up.add_argument("--generate", metavar="TEXT", default=None,
@@ -529,7 +542,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.func is cmd_up and args.draft_kind == "none" and args.draft_quantize != "none":
+        parser.error("up: --draft-quantize needs a draft (--draft-kind is none)")
     return args.func(args)
 
 

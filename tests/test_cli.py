@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from splitspec.builtin import BUILTIN_DRAFT
-from splitspec.cli import build_parser, format_final, format_report, stack_specs
+from splitspec.cli import build_parser, format_final, format_report, main, stack_specs
 from splitspec.init_report import InitReport, StepRecord, StepState
 from splitspec.v1 import common_pb2, gateway_pb2
 
@@ -84,3 +84,25 @@ def test_format_report_table() -> None:
     assert "load_config" in lines[2] and "OK" in lines[2] and "fine" in lines[2]
     assert "RuntimeError: boom" in lines[3]
     assert format_report(common_pb2.InitReport(), "draft") == ["draft: no report"]
+
+
+def test_up_places_draft_and_target_on_the_device_in_its_dtype() -> None:
+    """--device cuda: both models in bfloat16 unless --dtype says otherwise; the gateway holds
+    no model and gets neither flag; --draft-quantize goes to the draft alone."""
+    specs = _specs("--device", "cuda")
+    for name in ("draft", "target"):
+        assert specs[name][-4:] == ["--device", "cuda", "--dtype", "bfloat16"], specs[name]
+    assert "--device" not in specs["gateway"] and "--dtype" not in specs["gateway"]
+    specs = _specs("--device", "cuda:1", "--dtype", "float16", "--draft-quantize", "fp8")
+    assert specs["draft"][-6:] == ["--device", "cuda:1", "--dtype", "float16", "--quantize", "fp8"]
+    assert specs["target"][-4:] == ["--device", "cuda:1", "--dtype", "float16"]
+    assert "--quantize" not in specs["target"]
+    specs = _specs("--dtype", "bfloat16")  # on the CPU: only the dtype
+    assert specs["target"][-2:] == ["--dtype", "bfloat16"] and "--device" not in specs["target"]
+
+
+def test_up_refuses_a_quantized_draft_without_a_draft(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["up", "--draft-kind", "none", "--draft-quantize", "fp8"])
+    assert info.value.code == 2
+    assert "--draft-quantize needs a draft" in capsys.readouterr().err
