@@ -331,6 +331,28 @@ def test_capture_fault_fails_startup_naming_the_step(tmp_path):
     assert "capture_cuda_graphs" in done.stderr
 
 
+def test_up_on_the_gpu_with_an_fp8_draft_generates_text():
+    """The README's one command on a GPU: ``splitspec up --device cuda --draft-quantize fp8``
+    starts the draft and the target there in bfloat16 (flashinfer, graphs), generates, and
+    stops every service."""
+    from tests.stack import free_port
+
+    ports = [arg for name in ("gateway", "target", "draft")
+             for arg in (f"--{name}-port", str(free_port()))]
+    done = subprocess.run(
+        [sys.executable, "-m", "splitspec.cli", "up", "--device", "cuda", "--draft-quantize",
+         "fp8", "--generate", "def fibonacci(n):", "--max-new-tokens", "16", *ports],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), done.stderr[-3000:]  # the completion
+    started = [line for line in done.stderr.splitlines()
+               if line.startswith("splitspec up: starting")]
+    assert all("--device cuda --dtype bfloat16" in line for line in started[:2]), started
+    assert "--quantize fp8" in started[0], started
+    assert "finish: LENGTH" in done.stderr, done.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_speculation_agrees_with_plain_decoding_in_bf16(tmp_path):
     """bench_tp's agreement run at TP=1 on the GPU stack (flashinfer, graphs): greedy ON vs
