@@ -338,8 +338,12 @@ def test_drain_ends_what_is_left_with_unavailable_saying_why(
     try:
         target.is_paused.set()
         stub = _stub(running)
+        num_admits = len(target.admits)  # (the gateway's warmup generated already)
         calls = [stub.GenerateStream(_request(8)) for _ in range(3)]
         _wait_until(lambda: running.core.admission.num_queued == 1)
+        # the target reads its stream between steps: both admits must have reached it, or
+        # admits[-2:] would take a warmup's, which nothing cancels (a CI run failed so)
+        _wait_until(lambda: len(target.admits) == num_admits + 2)
         admitted = [admit.request_id for admit in target.admits[-2:]]
         again = threading.Event()
         if cut == "second signal":
