@@ -420,11 +420,11 @@ def run_few_rows(device: str) -> None:
 def run_fp8_rows(device: str) -> None:
     """splitspec.kernels.gemv.fp8_rows against fp8_linear_torch: 1 to 64 rows, rows of x
     strided, N not a multiple of the block, K a multiple of the loop's step or not, K split
-    between programs (split_k) or not; and
-    linear's routing of an fp8 weight (1 to 64 rows of a 2-byte x through fp8_rows, more, or
-    float32 ones, through the weight it was made from). Compiled, a 2-byte x is multiplied in float16 (the interpreter runs
-    float32 products): within two of x's rounding steps of the reference, which is held to
-    differ from the unrounded weight's product by more than that."""
+    between programs (split_k) or not; and linear's routing of an fp8 weight (1 to 64 rows of
+    a 2-byte x through fp8_rows, more, or float32 ones, through the weight it was made from).
+    Compiled, a 2-byte x is multiplied in float16 (the interpreter runs float32 products):
+    within two of x's rounding steps of the reference, which is held to differ from the
+    unrounded weight's product by more than that."""
     from splitspec.kernels import fp8_linear_torch, quantize_fp8
     from splitspec.kernels import gemv as module
     from splitspec.kernels.gemv import GemvConfig, fp8_rows
