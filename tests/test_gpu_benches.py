@@ -127,9 +127,8 @@ def test_gemv_bench_runs_on_cpu():
 
 def test_gemv_bench_times_fp8_weights_on_cpu():
     """--fp8 --split-k 1,2 --skip-bf16: torch and fp8_rows (K whole and split in two) per
-    shape and row count, fp8_rows agreeing with
-    its own rounded weights' product, the rounding's relative error, and FP8_CONFIGS' lines
-    (one a shape, from its fewest rows)."""
+    shape and row count, fp8_rows agreeing with its own rounded weights' product, the
+    rounding's relative error, and FP8_CONFIGS' lines (one a shape, from its fewest rows)."""
     results, printed = run_gemv_bench("--shrink", "64", "--shapes", "o_proj,gate_up",
                                       "--rows", "4,1", "--fp8", "--split-k", "1,2",
                                       "--skip-bf16")
