@@ -44,6 +44,8 @@ def test_step_costs_bench_runs_on_cpu(tmp_path):
     result = json.loads(out.read_text())
     assert result["torch_top_k"] is True and result["summary"]["draft_quantize"] == "fp8"
     assert len(result["target"]["decode_ms"]) == 3 and len(result["draft"]["draft_ms"]) == 3
+    # each call's first, timed on its own
+    assert result["target"]["verify_first_ms"] > 0 and result["draft"]["draft_first_ms"] > 0
     assert result["target"]["backend"] == "torch" and not result["target"]["graphs"]
     summary = result["summary"]
     assert summary["verify_over_decode"] > 0 and summary["draft_over_decode"] > 0
