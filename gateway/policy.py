@@ -176,6 +176,8 @@ class _Bucket:
     costs: defaultdict = field(default_factory=lambda: defaultdict(lambda: 1.0))  # per other
     # mode: its step time over the mode in use's (last probe)
     reference: float = 0.0    # the mode in use's rate when the last probe was judged
+    held: int | None = None   # a mode the last judgement of it favoured, not switched to only
+    # because the mode in use's tokens per step were not yet known
     fresh: bool = False       # the probe's next step is its first (left out)
     settling: bool = False    # the mode in use's next step is its first after a probe (left out)
 
@@ -227,7 +229,11 @@ class AdaptivePolicy:
     it is left, only its probes' few steps add to them, so a switch made on
     the first dozen steps (one prompt that drafts badly) could stand for
     thousands of steps (``bench/simulate_policy.py`` on 1-stream CPU traces:
-    one run in ten at 0.945 of the best or less; with the guard, 0.984).
+    one run in ten at 0.945 of the best or less; with the guard, 0.984). A switch a
+    judgement favoured but held back for that reason is judged again as soon as the guard
+    allows it: the next probe of that mode is due once its judgement will find them known
+    (simulated with the trained bench pair's step costs at batch 1 on an H200, the tree then
+    runs 81 steps, not 132, before plain decoding takes over).
 
     Each other mode has its own probe schedule, spaced by time, not by
     steps: when its steps take k times as long as the mode in use's (k > 1),
@@ -359,6 +365,8 @@ class AdaptivePolicy:
         if len(bucket.window) < self.min_samples:
             return
         due = {m: bucket.since[m] / self._interval(bucket, m) for m in others}
+        if bucket.held is not None and self._gains_known(bucket, self.probe_steps):
+            due[bucket.held] = max(due[bucket.held], 1.0)  # judged once its gains are known
         chosen = max(due, key=due.__getitem__)  # the most overdue (on a tie, the smaller)
         sudden = (bool(bucket.reference) and len(bucket.window) == WINDOW
                   and rate(list(bucket.window)) < bucket.reference * (1 - self.sudden))
@@ -393,9 +401,13 @@ class AdaptivePolicy:
         bucket.reference = mine
         mean = _geometric_mean(bucket.ratios[other])
         # a speculative mode in use is left only once its tokens per step are known
-        known = (not bucket.mode or len(bucket.gains[bucket.mode])
-                 * _mean(bucket.batches[bucket.mode]) >= self.min_gains)
-        if mean > 1 + self.margin and known:
+        known = self._gains_known(bucket, 0)
+        favoured = mean > 1 + self.margin
+        if favoured and not known:
+            bucket.held = other
+        elif bucket.held == other:
+            bucket.held = None
+        if favoured and known:
             was = bucket.mode
             self._switch(bucket, other)
             new, old = describe_mode(self.modes[other]), describe_mode(self.modes[was])
@@ -405,6 +417,12 @@ class AdaptivePolicy:
                      len(bucket.ratios[was]), _mean(bucket.batches[other]), new,
                      _mean(bucket.batches[was]), old)
             bucket.reference = theirs
+
+    def _gains_known(self, bucket: _Bucket, more_steps: int) -> bool:
+        """Whether the mode in use's tokens per step come from ``min_gains`` sequence-steps
+        (with ``more_steps`` more steps of it); always, for off."""
+        return (not bucket.mode or (len(bucket.gains[bucket.mode]) + more_steps)
+                * _mean(bucket.batches[bucket.mode]) >= self.min_gains)
 
     def _switch(self, bucket: _Bucket, new: int) -> None:
         """Make ``new`` the mode in use (after the steps that followed its probe): every other
@@ -427,7 +445,7 @@ class AdaptivePolicy:
         bucket.streaks[old] = 0
         bucket.since.pop(new, None)
         bucket.since[old] = 0
-        bucket.mode, bucket.settling = new, True
+        bucket.mode, bucket.settling, bucket.held = new, True, None
 
     def _follow_neighbours(self) -> None:
         """Undecided buckets take the mode of the nearest decided one (the smaller on a tie);

@@ -458,3 +458,19 @@ def test_a_speculative_mode_is_not_left_on_its_first_few_steps():
     assert min(guarded) > 0.5, guarded
     assert sum(share > 0.9 for share in guarded) >= 16, guarded
     assert min(unguarded) < 0.1, unguarded  # what the guard fixes
+
+
+def test_a_switch_held_back_for_the_gains_comes_as_soon_as_they_are_known():
+    """The trained bench pair on an H200 at batch 1 (session 33): the tree's step took 2.95
+    ms for 3.81 tokens, off's 0.503 ms for 1, so off is 1.5x ahead. The first probe of off
+    (after 16 steps) is judged before the tree's tokens per step come from 64 steps, so the
+    switch waits; the next probe of off then comes once they will be known at its judgement,
+    not a whole probe interval (100 steps) later, which kept the tree for 132 steps."""
+    policy = AdaptivePolicy([DEFAULT])
+    tree_steps = 0
+    for _ in range(400):
+        on = speculates(policy, 1)
+        tree_steps += on
+        policy.observe(step(1, on, 0.00295 if on else 0.000503, 3 if on else 0))
+    assert not speculates(policy, 1)
+    assert tree_steps <= 90, tree_steps
