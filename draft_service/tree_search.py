@@ -49,6 +49,7 @@ from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAtt
 from splitspec.attention.cascade import PrefixAttention, merge_with_prefix
 from splitspec.attention.decode_table import TablePrefix, scratch_floats
 from splitspec.attention.flashinfer_backend import FlashInferBackend
+from splitspec.cuda_graphs import replay_once
 from splitspec.kernels import HAS_TRITON, tree_level_torch
 from splitspec.kv_cache import KVCache, PageTable
 from splitspec.model.layers import AttentionContext
@@ -530,7 +531,8 @@ class TreeSearch:
 
 def _capture(device: torch.device, pool: object, work: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
     """Run ``work`` twice on a side stream (lazy initialisation must not happen in capture),
-    then capture it; returns the graph and the outputs it writes at each replay."""
+    then capture it and replay it once (:func:`replay_once`); returns the graph and the
+    outputs it writes at each replay."""
     with torch.inference_mode():
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -541,4 +543,5 @@ def _capture(device: torch.device, pool: object, work: Callable[[], T]) -> tuple
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             out = work()
+        replay_once(graph)
     return graph, out
