@@ -32,8 +32,8 @@ decode rows). Each call's ``*_graphed`` says whether it replayed graphs.
 
 Each figure is the median wall time of --iters calls after --warmup calls, the
 device synchronised after each; the first call of each kind is also timed on its own
-(``*_first_ms``: with graphs, each graph's first replay, what a server's first requests pay). The issue's aims: verify <= 1.2 x decode,
-draft <= 0.25 x decode.
+(``*_first_ms``: with graphs, each graph's first replay, what a server's first requests
+pay). The issue's aims: verify <= 1.2 x decode, draft <= 0.25 x decode.
 
     python bench/bench_step_costs.py --out-json /tmp/costs.json           # H200
     python bench/bench_step_costs.py --shape builtin --device cpu --dtype float32 --iters 5
