@@ -62,7 +62,9 @@ acceptance measured for the trained built-in EAGLE-3 pair (docs/benchmarks.md). 
 report labels the draft ``replay(records.jsonl, corrupt R)``, gives ON's measured
 acceptance beside the expected one, the replay draft's misses (trees for sequences that
 left their record: another engine's numerics flipped a near-tie) and says RANDOM weights
-where they were. The GPU run of issue 7 (one H200; its 10-minute command limit in mind:
+where they were. With ``--replay-features`` the draft also takes an EAGLE-3 head's features
+(three layer inputs of the target's hidden size a token) with every request, as a trained
+head of the target's shape would, so the exchange's cost at high batch is in the figures. The GPU run of issue 7 (one H200; its 10-minute command limit in mind:
 ``--max-context 256`` keeps the KV cache of 64 sequences to about 2.6 GiB beside the
 16 GB of weights; no ``--out-png``: matplotlib may be missing there, so the plot is
 drawn afterwards with ``--from-json``; the JSON is saved after every concurrency, so a run
@@ -656,6 +658,10 @@ def main(argv: list[str] | None = None) -> int:
                              "path is wrong; ON then accepts about sum_k (1 - R)^k draft tokens "
                              f"per verify step (default {DEFAULT_CORRUPT_RATE}: 2.50 for the "
                              "depth-4 tree, the trained built-in pair's measured acceptance)")
+    parser.add_argument("--replay-features", action="store_true",
+                        help="--draft-kind replay: the draft also takes an EAGLE-3 head's "
+                             "features with every request (draft_service --replay-features), "
+                             "so the exchange carries what a head of the target's shape gets")
     parser.add_argument("--target-model", type=Path,
                         help="with --start: the target checkpoint folder (default: --models' "
                              "target/); its tokenizer encodes the prompts")
@@ -734,6 +740,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--draft-kind replay, --random-8b, --target-model and --max-context start "
                      "services: they need --start (against a running stack the report takes "
                      "the draft's name from the target)")
+    if args.replay_features and not replay:
+        parser.error("--replay-features is for --draft-kind replay")
     if not 0 <= args.replay_corrupt_rate <= 1:  # NaN fails too
         parser.error(f"--replay-corrupt-rate must be in [0, 1], got {args.replay_corrupt_rate}")
     if args.max_context < 0:
@@ -752,7 +760,8 @@ def main(argv: list[str] | None = None) -> int:
                      "repeats": args.repeats, "warmup": args.warmup, "min_run_s": args.min_run_s,
                      "concurrency": args.concurrency, "modes": args.modes,
                      "random_weights": args.random_8b, "max_context": args.max_context or None,
-                     "replay_corrupt_rate": args.replay_corrupt_rate if replay else None},
+                     "replay_corrupt_rate": args.replay_corrupt_rate if replay else None,
+                     "replay_features": args.replay_features and replay},
         "results": [], "complete": False}
     procs: list[subprocess.Popen] = []
     draft: draft_pb2_grpc.DraftStub | None = None
@@ -781,7 +790,8 @@ def main(argv: list[str] | None = None) -> int:
                 record_replay(target_model, prompts, args,
                               ["--max-running", str(max_running), *context], records)
                 draft_args = ["--kind", REPLAY, "--replay-file", str(records),
-                              "--replay-corrupt-rate", str(args.replay_corrupt_rate)]
+                              "--replay-corrupt-rate", str(args.replay_corrupt_rate),
+                              *(["--replay-features"] if args.replay_features else [])]
                 draft_port = free_port()
             procs, args.target = start_stack(args.draft_kind, args.models, args.device,
                                              args.dtype, max_running=max_running,

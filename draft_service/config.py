@@ -59,6 +59,11 @@ class DraftConfig:
     replay_corrupt_rate: float = option(0.0, "--kind replay: chance that a tree node on the "
                                         "recorded path carries a wrong token instead (0 = "
                                         "every drafted path is the target's, 1 = none)")
+    replay_features: bool = option(False, "--kind replay: take an EAGLE-3 head's features "
+                                   "(the target's default three layer inputs) with every "
+                                   "request and copy them once on the host, as an EAGLE-3 draft "
+                                   "does, so the exchange carries what it would with a head of "
+                                   "the target's shape; the trees do not use them")
     graph_trees: str = option("4x4", "tree shapes (TOPKxDEPTH, comma-separated) whose drafting is "
                               "captured as CUDA graphs, per batch-size bucket up to --max-running "
                               "(CUDA with flashinfer); other shapes draft eagerly; '' = none")
@@ -116,8 +121,9 @@ class DraftConfig:
                              "float16 (its kernel multiplies 2-byte activations)")
         if self.kind == REPLAY:
             self.check_replay()
-        elif self.replay_file is not None:
-            raise ValueError(f"--replay-file is only read by --kind replay, not --kind {self.kind}")
+        elif self.replay_file is not None or self.replay_features:
+            flag = "--replay-file" if self.replay_file is not None else "--replay-features"
+            raise ValueError(f"{flag} is only read by --kind replay, not --kind {self.kind}")
         elif not Path(self.model).is_dir():
             raise FileNotFoundError(f"--model {self.model} is not a folder")
         if self.target_model and not Path(self.target_model).is_dir():

@@ -58,10 +58,11 @@ class DraftSpec:
     target_num_layers: int              # 0 when unknown
     tokenizer_sha256: str               # "" when no tokenizer.json was found
     label: str = ""                     # the name DraftInfo shows; "" = model_dir's name
+    features: bool = False              # the replay draft taking an EAGLE-3 head's features
 
     @property
     def needs_hidden_states(self) -> bool:
-        return self.kind == EAGLE3
+        return self.kind == EAGLE3 or self.features
 
     @property
     def name(self) -> str:
@@ -183,6 +184,15 @@ class StandaloneDraft(DraftModel):
         return self.model.compute_logits(states)
 
 
+def eagle3_entries(start: int, new_tokens: list[int]) -> EntrySpan:
+    """An EAGLE-3 head's entries to (re)build when new_tokens[0] sits at position start, one
+    a feature row the target sends: entry i pairs h_i with t_{i+1}, so the entry before start
+    changes with t_start."""
+    if start == 0:
+        return EntrySpan(0, list(new_tokens[1:]))
+    return EntrySpan(start - 1, list(new_tokens))
+
+
 class Eagle3Draft(DraftModel):
     kind = EAGLE3
     num_layers = 1
@@ -199,10 +209,7 @@ class Eagle3Draft(DraftModel):
         self.device = head.fc.weight.device
 
     def entries(self, start: int, new_tokens: list[int]) -> EntrySpan:
-        # Entry i pairs h_i with t_{i+1}: the entry before start changes with t_start.
-        if start == 0:
-            return EntrySpan(0, list(new_tokens[1:]))
-        return EntrySpan(start - 1, list(new_tokens))
+        return eagle3_entries(start, new_tokens)
 
     def num_entries(self, num_tokens: int) -> int:
         return max(num_tokens - 1, 0)

@@ -58,8 +58,9 @@ from draft_service.drafter import (
     SeqInput,
     Session,
     TreeShape,
+    wire_features,
 )
-from draft_service.models import REPLAY, DraftSpec
+from draft_service.models import REPLAY, DraftSpec, eagle3_entries
 from splitspec.model.config import LlamaConfig, read_hf_config
 from splitspec.replay import ReplayRecord
 from splitspec.tokenizer import TOKENIZER_FILE, tokenizer_sha256
@@ -68,18 +69,21 @@ from splitspec.tree import Tree
 MISS_KEY_TOKENS = 8  # a miss's tree is seeded by the last this many tokens (and n)
 
 
-def replay_name(records: Path, corrupt_rate: float) -> str:
+def replay_name(records: Path, corrupt_rate: float, features: bool = False) -> str:
     """The label results made with the replay draft carry (DraftInfo.model_name)."""
-    return f"replay({records.name}, corrupt {corrupt_rate:.2f})"
+    return f"replay({records.name}, corrupt {corrupt_rate:.2f}{', features' if features else ''})"
 
 
-def read_replay_spec(records: Path, corrupt_rate: float, target_dir: Path) -> DraftSpec:
+def read_replay_spec(records: Path, corrupt_rate: float, target_dir: Path,
+                     features: bool = False) -> DraftSpec:
     """The DraftInfo facts of the replay draft: the target's vocabulary, layer count and
-    tokenizer fingerprint (the records are read by load_model)."""
+    tokenizer fingerprint (the records are read by load_model); with ``features``, the
+    target's hidden size, whose default three layer inputs it then asks for."""
     target = LlamaConfig.from_hf(read_hf_config(target_dir))
     sha = tokenizer_sha256(target_dir) if (target_dir / TOKENIZER_FILE).is_file() else ""
-    return DraftSpec(REPLAY, records, target_dir, target.vocab_size, 0, (), target.num_layers, sha,
-                     label=replay_name(records, corrupt_rate))
+    return DraftSpec(REPLAY, records, target_dir, target.vocab_size,
+                     target.hidden_size if features else 0, (), target.num_layers, sha,
+                     label=replay_name(records, corrupt_rate, features), features=features)
 
 
 def _digest(tokens: list[int], tag: bytes) -> int:
@@ -159,11 +163,13 @@ class ReplayDrafter(BaseDrafter):
     """Drafts from the records (see the module docstring); holds no model and no cache."""
 
     def __init__(self, book: ReplayBook, corrupt_rate: float, vocab_size: int,
-                 limits: DrafterLimits) -> None:
+                 limits: DrafterLimits, feature_dim: int = 0) -> None:
         # topk at most vocab_size - 1: a node's children must avoid the true token too.
         super().__init__(limits, vocab_size, vocab_size - 1)
         self.book = book
         self.corrupt_rate = corrupt_rate
+        self.feature_dim = feature_dim  # --replay-features: an EAGLE-3 head's feature width
+        self.feature_bytes = 0          # features taken (and copied) since start
 
     def _new_state(self) -> ReplaySeq:
         return ReplaySeq()
@@ -172,7 +178,13 @@ class ReplayDrafter(BaseDrafter):
         """Nothing to give back: a replayed sequence holds only its token list."""
 
     def _prepare(self, session: Session, item: SeqInput) -> None:
-        state = self._sync(session, item, self._check(session, item))
+        state = self._check(session, item)
+        if self.feature_dim:  # checked as an EAGLE-3 draft checks them, and copied once
+            rows = len(eagle3_entries(item.start, item.new_tokens).tokens)
+            wire = wire_features(item.hidden_states, rows, self.feature_dim, item.hidden_dim,
+                                 item.dtype)
+            self.feature_bytes += len(bytearray(wire.data))
+        state = self._sync(session, item, state)
         del state.tokens[item.start:]
         state.tokens.extend(item.new_tokens)
         self._follow(state, item.start)

@@ -30,7 +30,14 @@ from draft_service.drafter import (
     encode_features,
     sampled_topology,
 )
-from draft_service.models import REPLAY, DraftModel, DraftSpec, load_draft_model, read_spec
+from draft_service.models import (
+    REPLAY,
+    DraftModel,
+    DraftSpec,
+    eagle3_entries,
+    load_draft_model,
+    read_spec,
+)
 from draft_service.replay import ReplayBook, ReplayDrafter, read_replay_spec
 from draft_service.servicer import DraftServicer, draft_fault_from_env, draft_info
 from draft_service.tree_search import TreeSearch
@@ -71,7 +78,8 @@ def load_config(cfg: DraftConfig) -> Detailed:
     cfg.check()
     parse_dtype(cfg.dtype)
     if cfg.kind == REPLAY:
-        spec = read_replay_spec(Path(cfg.replay_file), cfg.replay_corrupt_rate, cfg.target_dir)
+        spec = read_replay_spec(Path(cfg.replay_file), cfg.replay_corrupt_rate, cfg.target_dir,
+                                cfg.replay_features)
     else:
         spec = read_spec(Path(cfg.model), cfg.kind, cfg.target_dir)
     target = f", target {spec.target_dir.name} ({spec.target_num_layers} layers)" if spec.target_dir else ""
@@ -133,13 +141,17 @@ def capture_cuda_graphs(cfg: DraftConfig, model: DraftModel, cache: KVCache, poo
 
 
 def warmup_inputs(model: DraftModel | None, seq_id: int, start: int, tokens: list[int], shape: TreeShape,
-                  generator: torch.Generator, sampling: SamplingParams | None = None) -> SeqInput:
-    """A SeqInput for tokens at start, with random target features when the model needs them."""
-    if model is None or not model.feature_dim:
+                  generator: torch.Generator, sampling: SamplingParams | None = None,
+                  feature_dim: int = 0) -> SeqInput:
+    """A SeqInput for tokens at start, with random target features when the model needs them
+    (without a model: ``feature_dim`` wide, an EAGLE-3 head's rows, float32)."""
+    width = model.feature_dim if model is not None else feature_dim
+    if not width:
         return SeqInput(seq_id, start, tokens, shape, sampling=sampling)
-    rows = len(model.entries(start, tokens).tokens)
-    features = torch.randn(rows, model.feature_dim, generator=generator)
-    data, dim, dtype = encode_features(features.to(model.dtype))  # as a target of its dtype sends
+    rows = len((model.entries if model is not None else eagle3_entries)(start, tokens).tokens)
+    features = torch.randn(rows, width, generator=generator)
+    # as a target of the model's dtype sends them
+    data, dim, dtype = encode_features(features.to(model.dtype) if model is not None else features)
     return SeqInput(seq_id, start, tokens, shape, data, dim, dtype, sampling)
 
 
@@ -154,6 +166,7 @@ def warmup(drafter: BaseDrafter) -> Detailed:
     one-row variant for ``fc`` was first compiled in a request (docs/benchmarks.md,
     twentieth part)."""
     model = drafter.model if isinstance(drafter, Drafter) else None
+    feature_dim = drafter.feature_dim if isinstance(drafter, ReplayDrafter) else 0
     started = time.perf_counter()
     tokens = [(7 * i + 3) % drafter.vocab_size for i in range(WARMUP_TOKENS)]
     generator = torch.Generator().manual_seed(0)
@@ -174,7 +187,8 @@ def warmup(drafter: BaseDrafter) -> Detailed:
         if drafter.limits.sampled_trees:
             exchanges.append((WARMUP_TOKENS, [], WARMUP_TREE, WARMUP_SAMPLING))
         for start, new, shape, sampling in exchanges:
-            result = draft_one(warmup_inputs(model, 1, start, new, shape, generator, sampling))
+            result = draft_one(warmup_inputs(model, 1, start, new, shape, generator, sampling,
+                                             feature_dim))
             if shape.num_draft_tokens:
                 want = drafter.capped(shape).num_draft_tokens
                 problem = tree_error(result.tree, drafter.vocab_size, want)
@@ -185,7 +199,8 @@ def warmup(drafter: BaseDrafter) -> Detailed:
                 if problem or result.tree.num_nodes != want:
                     raise RuntimeError(f"warmup drafted a bad tree ({problem or 'size'}): {result.tree}")
                 found.append(result.tree.num_nodes)
-        draft_one(warmup_inputs(model, 2, 0, tokens[:2], TreeShape(0, 0, 0), generator))
+        draft_one(warmup_inputs(model, 2, 0, tokens[:2], TreeShape(0, 0, 0), generator,
+                                feature_dim=feature_dim))
         drafter.draft(session, [], release_ids=[1, 2])
     finally:
         drafter.close_session(session)
@@ -271,6 +286,7 @@ def build_replay(cfg: DraftConfig, spec: DraftSpec, startup: Startup, server: Se
     startup.step("capture_cuda_graphs", no_op, "the replay draft runs no model")
     limits = drafter_limits(cfg)
     drafter = startup.step("warmup", built_and_warm, lambda: ReplayDrafter(
-        book, cfg.replay_corrupt_rate, spec.vocab_size, limits))
+        book, cfg.replay_corrupt_rate, spec.vocab_size, limits,
+        3 * spec.target_hidden_size if spec.features else 0))
     startup.step("start_server", start_server, server, cfg, spec, drafter, startup)
     return Built(drafter, server)

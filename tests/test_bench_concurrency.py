@@ -183,12 +183,15 @@ def test_a_max_context_too_small_for_the_prompts_is_refused_before_anything_star
 @pytest.mark.slow
 def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     """--start --draft-kind replay records the built-in target's continuations, starts the
-    replay draft on them and sweeps; at corrupt rate 0 ON accepts the whole main path."""
+    replay draft on them and sweeps; at corrupt rate 0 ON accepts the whole main path. With
+    --replay-features every request carries an EAGLE-3 head's features, which the draft
+    checks: without them, or of the wrong size, no tree would be drafted."""
     out, table, trace = tmp_path / "replay.json", tmp_path / "replay.md", tmp_path / "steps.jsonl"
     trace.write_text("a line an earlier sweep left\n")
     run = subprocess.run(
         [sys.executable, "bench/bench_concurrency.py", "--start", "--draft-kind", "replay",
-         "--replay-corrupt-rate", "0", "--prompts", "fixed", "--num-prompts", "4",
+         "--replay-corrupt-rate", "0", "--replay-features", "--prompts", "fixed",
+         "--num-prompts", "4",
          "--concurrency", "1,2", "--repeats", "1", "--max-new-tokens", "8", "--max-context",
          "64", "--modes", "OFF,ON,adaptive", "--new-tokens-spread", "0.5", "--out-json",
          str(out), "--out-md", str(table), "--step-trace", str(trace)],
@@ -198,7 +201,8 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     report = json.loads(out.read_text())
     settings = report["settings"]
     assert report["complete"] and settings["modes"] == ["OFF", "ON", "adaptive"]
-    assert settings["draft"] == settings["draft_model"] == "replay(records.jsonl, corrupt 0.00)"
+    name = "replay(records.jsonl, corrupt 0.00, features)"
+    assert settings["draft"] == settings["draft_model"] == name and settings["replay_features"]
     steps = {step["name"]: step for step in report["target_init"]["steps"]}
     assert steps["capture_cuda_graphs"]["detail"] == "no-op on cpu"  # the start-up, as it went
     assert steps["connect_draft"]["state"] == "STEP_STATE_OK"
@@ -233,7 +237,7 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         assert sum(s["committed_tokens"] for s in steps) == work - entry["num_prompts"]
         assert all(s["period_s"] > 0 for s in steps)
     header = table.read_text().splitlines()[0]
-    assert "replay(records.jsonl, corrupt 0.00) draft" in header
+    assert f"{name} draft" in header
     assert "x 4-8 new tokens" in header and settings["new_tokens_spread"] == 0.5
     assert f"{depth:.2f} expected at corrupt 0.00; replay misses in timed runs: 0 of" in header
 

@@ -285,8 +285,35 @@ def test_bad_replay_flags_fail_load_config(flags, message, tmp_path):
 
 
 def test_replay_file_without_kind_replay_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="only read by --kind replay"):
+    with pytest.raises(ValueError, match="--replay-file is only read by --kind replay"):
         parse_args(["--replay-file", str(tmp_path / "x.jsonl")]).check()
+    with pytest.raises(ValueError, match="--replay-features is only read by --kind replay"):
+        parse_args(["--replay-features"]).check()
+
+
+def test_with_features_each_request_must_carry_an_eagle3_heads_features():
+    """--replay-features: every sequence's new tokens come with an EAGLE-3 head's feature
+    rows (one fewer than the tokens from position 0, as many after), checked and copied; a
+    request without them, or with too few, fails; the trees are those drafted without."""
+    records = make_records(1)
+    tokens = records[0].full[:40]
+    width = 3 * 16
+    drafter = ReplayDrafter(ReplayBook(records), 0.0, VOCAB, DrafterLimits(8, 4096, 64), width)
+    session = drafter.open_session()
+
+    def rows(n: int) -> tuple[bytes, int, str]:
+        return bytes(4 * width * n), width, "float32"
+
+    (missing,) = drafter.draft(session, [SeqInput(1, 0, tokens[:30], CHAIN)])
+    assert "hidden_states dtype '' is not one of" in missing.error
+    (short,) = drafter.draft(session, [SeqInput(2, 0, tokens[:30], CHAIN, *rows(28))])
+    assert "hidden_states has" in short.error
+    (first,) = drafter.draft(session, [SeqInput(3, 0, tokens[:30], CHAIN, *rows(29))])
+    (later,) = drafter.draft(session, [SeqInput(3, 30, tokens[30:40], CHAIN, *rows(10))])
+    assert not first.error and not later.error
+    assert drafter.feature_bytes == 4 * width * (29 + 10)
+    assert later.tree.tokens == draft_at(make_drafter(records, 0.0), tokens, CHAIN).tokens
+    drafter.close_session(session)
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -348,9 +375,13 @@ def draft_status(address: str) -> draft_pb2.DraftStatus:
 @pytest.mark.slow
 def test_replayed_generation_is_exact_at_the_chosen_acceptance(recorded):
     path, records, logs = recorded
-    drafts = {rate: Service("draft_service", [
-        "--kind", "replay", "--replay-file", str(path), "--replay-corrupt-rate", rate,
-        "--target-model", str(BUILTIN_TARGET)], logs) for rate in ("0", "1")}
+    # "0 features": --replay-features, so the target sends an EAGLE-3 head's features, which
+    # the draft checks (a request without them, or of the wrong size, fails its trees)
+    drafts = {label: Service("draft_service", [
+        "--kind", "replay", "--replay-file", str(path), "--replay-corrupt-rate", label.split()[0],
+        "--target-model", str(BUILTIN_TARGET), *(["--replay-features"] if "features" in label
+                                                 else [])], logs)
+        for label in ("0", "1", "0 features")}
     services = list(drafts.values())
     try:
         for draft in drafts.values():
@@ -365,7 +396,9 @@ def test_replayed_generation_is_exact_at_the_chosen_acceptance(recorded):
             with grpc.insecure_channel(target.address) as channel:
                 info = target_pb2_grpc.TargetStub(channel).GetInfo(target_pb2.GetTargetInfoRequest(),
                                                                  timeout=10)
-            assert info.draft_model_name == f"replay(records.jsonl, corrupt {float(rate):.2f})"
+            features = ", features" if "features" in rate else ""
+            assert info.draft_model_name == (f"replay(records.jsonl, corrupt "
+                                             f"{float(rate.split()[0]):.2f}{features})")
             before = draft_status(drafts[rate].address)
             outputs, steps = serve(target.address, prompts, NEW_TOKENS, common_pb2.SPECULATION_MODE_ON)
             after = draft_status(drafts[rate].address)
@@ -375,7 +408,7 @@ def test_replayed_generation_is_exact_at_the_chosen_acceptance(recorded):
             assert drafted > 0
             assert after.trees > before.trees
             assert after.replay_misses == before.replay_misses, "a recorded sequence left its record"
-            if rate == "0":
+            if rate.startswith("0"):
                 # Every verify step accepts the whole chain of 4, but a request's last one
                 # (fewer tokens left than the chain is long) may lose up to 3.
                 assert accepted >= drafted - 3 * len(records), (accepted, drafted)
