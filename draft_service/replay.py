@@ -27,6 +27,12 @@ probability (1 - R)^k (k <= L), and the mean accepted length is
 sum_{k=1..L} (1 - R)^k = (1 - R)(1 - (1 - R)^L) / R (L for R = 0); acceptance at each depth
 (given the depth above was accepted) is 1 - R. The bonus token is not counted.
 
+Features. With ``--replay-features`` the draft says it needs an EAGLE-3 head's features
+(DraftInfo.needs_hidden_states, the target's hidden size, the default three layer inputs):
+the target captures them and sends them with every request, as it does for a head of its
+shape, and the draft checks their size and copies them once. The trees do not use them;
+the exchange then carries what it would with such a head (24 KiB a token at the 8B shape).
+
 Randomness. Each tree draws from its own generator, seeded by the record's digest and n:
 a run is reproducible, and every tree's corruption is independent of the other trees'.
 
