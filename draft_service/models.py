@@ -65,6 +65,11 @@ class DraftSpec:
         return self.kind == EAGLE3 or self.features
 
     @property
+    def feature_dim(self) -> int:
+        """The width of a feature row the target sends: three of its layer inputs, or 0."""
+        return 3 * self.target_hidden_size if self.needs_hidden_states else 0
+
+    @property
     def name(self) -> str:
         return self.label or self.model_dir.name
 

@@ -189,7 +189,8 @@ class ReplayDrafter(BaseDrafter):
             rows = len(eagle3_entries(item.start, item.new_tokens).tokens)
             wire = wire_features(item.hidden_states, rows, self.feature_dim, item.hidden_dim,
                                  item.dtype)
-            self.feature_bytes += len(bytearray(wire.data))
+            copied = bytearray(wire.data)  # as a head copies them into its host buffer
+            self.feature_bytes += len(copied)
         state = self._sync(session, item, state)
         del state.tokens[item.start:]
         state.tokens.extend(item.new_tokens)

@@ -286,7 +286,6 @@ def build_replay(cfg: DraftConfig, spec: DraftSpec, startup: Startup, server: Se
     startup.step("capture_cuda_graphs", no_op, "the replay draft runs no model")
     limits = drafter_limits(cfg)
     drafter = startup.step("warmup", built_and_warm, lambda: ReplayDrafter(
-        book, cfg.replay_corrupt_rate, spec.vocab_size, limits,
-        3 * spec.target_hidden_size if spec.features else 0))
+        book, cfg.replay_corrupt_rate, spec.vocab_size, limits, spec.feature_dim))
     startup.step("start_server", start_server, server, cfg, spec, drafter, startup)
     return Built(drafter, server)
