@@ -25,31 +25,37 @@ _sym_db = _symbol_database.Default()
 from splitspec.v1 import common_pb2 as splitspec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18splitspec/v1/draft.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"\x17\n\x15GetDraftStatusRequest\"\x80\x01\n\x0b\x44raftStatus\x12\x11\n\tsequences\x18\x01 \x01(\r\x12\x11\n\texchanges\x18\x02 \x01(\x04\x12%\n\x04spec\x18\x03 \x01(\x0b\x32\x17.splitspec.v1.SpecStats\x12\r\n\x05trees\x18\x04 \x01(\x04\x12\x15\n\rreplay_misses\x18\x05 \x01(\x04\"\x15\n\x13GetDraftInfoRequest\"\xf5\x01\n\tDraftInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x18\n\x10tokenizer_sha256\x18\x04 \x01(\t\x12\x1b\n\x13needs_hidden_states\x18\x05 \x01(\x08\x12\x1a\n\x12target_hidden_size\x18\x06 \x01(\r\x12\x18\n\x10\x61ux_layer_inputs\x18\x07 \x03(\r\x12\x19\n\x11target_num_layers\x18\x08 \x01(\r\x12\x13\n\x0bmax_context\x18\t \x01(\r\x12\x15\n\rsampled_trees\x18\n \x01(\x08\"\xea\x01\n\rSeqDraftInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x12\n\nnew_tokens\x18\x03 \x03(\r\x12\x15\n\rhidden_states\x18\x04 \x01(\x0c\x12\x12\n\nhidden_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\'\n\x05shape\x18\x07 \x01(\x0b\x32\x18.splitspec.v1.DraftShape\x12.\n\x08sampling\x18\x08 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\t \x01(\x0c\"q\n\x0c\x44raftRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12)\n\x04seqs\x18\x02 \x03(\x0b\x32\x1b.splitspec.v1.SeqDraftInput\x12\x13\n\x0brelease_ids\x18\x03 \x03(\x04\x12\x13\n\x0btraceparent\x18\x04 \x01(\x0c\"\x89\x01\n\tDraftTree\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0f\n\x07parents\x18\x03 \x03(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12)\n\tproposals\x18\x06 \x03(\x0b\x32\x16.splitspec.v1.ProposalJ\x04\x08\x04\x10\x05R\x0b\x64raft_probs\")\n\x08Proposal\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"S\n\nDraftReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12&\n\x05trees\x18\x02 \x03(\x0b\x32\x17.splitspec.v1.DraftTree\x12\x0f\n\x07\x64raft_s\x18\x03 \x01(\x01\x32\xb0\x02\n\x05\x44raft\x12\x44\n\x08\x45xchange\x12\x1a.splitspec.v1.DraftRequest\x1a\x18.splitspec.v1.DraftReply(\x01\x30\x01\x12\x45\n\x07GetInfo\x12!.splitspec.v1.GetDraftInfoRequest\x1a\x17.splitspec.v1.DraftInfo\x12M\n\rGetInitReport\x12\".splitspec.v1.GetInitReportRequest\x1a\x18.splitspec.v1.InitReport\x12K\n\tGetStatus\x12#.splitspec.v1.GetDraftStatusRequest\x1a\x19.splitspec.v1.DraftStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18splitspec/v1/draft.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\"9\n\x1a\x41ttachFeatureMemoryRequest\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\r\n\x05\x63heck\x18\x02 \x01(\x0c\")\n\x18\x41ttachFeatureMemoryReply\x12\r\n\x05\x65rror\x18\x01 \x01(\t\"-\n\x0b\x46\x65\x61tureSpan\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0e\n\x06length\x18\x02 \x01(\x04\"\x17\n\x15GetDraftStatusRequest\"\x80\x01\n\x0b\x44raftStatus\x12\x11\n\tsequences\x18\x01 \x01(\r\x12\x11\n\texchanges\x18\x02 \x01(\x04\x12%\n\x04spec\x18\x03 \x01(\x0b\x32\x17.splitspec.v1.SpecStats\x12\r\n\x05trees\x18\x04 \x01(\x04\x12\x15\n\rreplay_misses\x18\x05 \x01(\x04\"\x15\n\x13GetDraftInfoRequest\"\xf5\x01\n\tDraftInfo\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x18\n\x10tokenizer_sha256\x18\x04 \x01(\t\x12\x1b\n\x13needs_hidden_states\x18\x05 \x01(\x08\x12\x1a\n\x12target_hidden_size\x18\x06 \x01(\r\x12\x18\n\x10\x61ux_layer_inputs\x18\x07 \x03(\r\x12\x19\n\x11target_num_layers\x18\x08 \x01(\r\x12\x13\n\x0bmax_context\x18\t \x01(\r\x12\x15\n\rsampled_trees\x18\n \x01(\x08\"\x9f\x02\n\rSeqDraftInput\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\r\n\x05start\x18\x02 \x01(\r\x12\x12\n\nnew_tokens\x18\x03 \x03(\r\x12\x15\n\rhidden_states\x18\x04 \x01(\x0c\x12\x12\n\nhidden_dim\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\'\n\x05shape\x18\x07 \x01(\x0b\x32\x18.splitspec.v1.DraftShape\x12.\n\x08sampling\x18\x08 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12\x13\n\x0btraceparent\x18\t \x01(\x0c\x12\x33\n\x10hidden_states_at\x18\n \x01(\x0b\x32\x19.splitspec.v1.FeatureSpan\"\x89\x01\n\x0c\x44raftRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12)\n\x04seqs\x18\x02 \x03(\x0b\x32\x1b.splitspec.v1.SeqDraftInput\x12\x13\n\x0brelease_ids\x18\x03 \x03(\x04\x12\x13\n\x0btraceparent\x18\x04 \x01(\x0c\x12\x16\n\x0e\x66\x65\x61ture_memory\x18\x05 \x01(\t\"\x89\x01\n\tDraftTree\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0e\n\x06tokens\x18\x02 \x03(\r\x12\x0f\n\x07parents\x18\x03 \x03(\r\x12\r\n\x05\x65rror\x18\x05 \x01(\t\x12)\n\tproposals\x18\x06 \x03(\x0b\x32\x16.splitspec.v1.ProposalJ\x04\x08\x04\x10\x05R\x0b\x64raft_probs\")\n\x08Proposal\x12\x0e\n\x06tokens\x18\x01 \x03(\r\x12\r\n\x05probs\x18\x02 \x03(\x02\"S\n\nDraftReply\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12&\n\x05trees\x18\x02 \x03(\x0b\x32\x17.splitspec.v1.DraftTree\x12\x0f\n\x07\x64raft_s\x18\x03 \x01(\x01\x32\x99\x03\n\x05\x44raft\x12\x44\n\x08\x45xchange\x12\x1a.splitspec.v1.DraftRequest\x1a\x18.splitspec.v1.DraftReply(\x01\x30\x01\x12\x45\n\x07GetInfo\x12!.splitspec.v1.GetDraftInfoRequest\x1a\x17.splitspec.v1.DraftInfo\x12M\n\rGetInitReport\x12\".splitspec.v1.GetInitReportRequest\x1a\x18.splitspec.v1.InitReport\x12K\n\tGetStatus\x12#.splitspec.v1.GetDraftStatusRequest\x1a\x19.splitspec.v1.DraftStatus\x12g\n\x13\x41ttachFeatureMemory\x12(.splitspec.v1.AttachFeatureMemoryRequest\x1a&.splitspec.v1.AttachFeatureMemoryReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitspec.v1.draft_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GETDRAFTSTATUSREQUEST']._serialized_start=69
-  _globals['_GETDRAFTSTATUSREQUEST']._serialized_end=92
-  _globals['_DRAFTSTATUS']._serialized_start=95
-  _globals['_DRAFTSTATUS']._serialized_end=223
-  _globals['_GETDRAFTINFOREQUEST']._serialized_start=225
-  _globals['_GETDRAFTINFOREQUEST']._serialized_end=246
-  _globals['_DRAFTINFO']._serialized_start=249
-  _globals['_DRAFTINFO']._serialized_end=494
-  _globals['_SEQDRAFTINPUT']._serialized_start=497
-  _globals['_SEQDRAFTINPUT']._serialized_end=731
-  _globals['_DRAFTREQUEST']._serialized_start=733
-  _globals['_DRAFTREQUEST']._serialized_end=846
-  _globals['_DRAFTTREE']._serialized_start=849
-  _globals['_DRAFTTREE']._serialized_end=986
-  _globals['_PROPOSAL']._serialized_start=988
-  _globals['_PROPOSAL']._serialized_end=1029
-  _globals['_DRAFTREPLY']._serialized_start=1031
-  _globals['_DRAFTREPLY']._serialized_end=1114
-  _globals['_DRAFT']._serialized_start=1117
-  _globals['_DRAFT']._serialized_end=1421
+  _globals['_ATTACHFEATUREMEMORYREQUEST']._serialized_start=69
+  _globals['_ATTACHFEATUREMEMORYREQUEST']._serialized_end=126
+  _globals['_ATTACHFEATUREMEMORYREPLY']._serialized_start=128
+  _globals['_ATTACHFEATUREMEMORYREPLY']._serialized_end=169
+  _globals['_FEATURESPAN']._serialized_start=171
+  _globals['_FEATURESPAN']._serialized_end=216
+  _globals['_GETDRAFTSTATUSREQUEST']._serialized_start=218
+  _globals['_GETDRAFTSTATUSREQUEST']._serialized_end=241
+  _globals['_DRAFTSTATUS']._serialized_start=244
+  _globals['_DRAFTSTATUS']._serialized_end=372
+  _globals['_GETDRAFTINFOREQUEST']._serialized_start=374
+  _globals['_GETDRAFTINFOREQUEST']._serialized_end=395
+  _globals['_DRAFTINFO']._serialized_start=398
+  _globals['_DRAFTINFO']._serialized_end=643
+  _globals['_SEQDRAFTINPUT']._serialized_start=646
+  _globals['_SEQDRAFTINPUT']._serialized_end=933
+  _globals['_DRAFTREQUEST']._serialized_start=936
+  _globals['_DRAFTREQUEST']._serialized_end=1073
+  _globals['_DRAFTTREE']._serialized_start=1076
+  _globals['_DRAFTTREE']._serialized_end=1213
+  _globals['_PROPOSAL']._serialized_start=1215
+  _globals['_PROPOSAL']._serialized_end=1256
+  _globals['_DRAFTREPLY']._serialized_start=1258
+  _globals['_DRAFTREPLY']._serialized_end=1341
+  _globals['_DRAFT']._serialized_start=1344
+  _globals['_DRAFT']._serialized_end=1753
 # @@protoc_insertion_point(module_scope)

@@ -7,6 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class AttachFeatureMemoryRequest(_message.Message):
+    __slots__ = ("path", "check")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CHECK_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    check: bytes
+    def __init__(self, path: _Optional[str] = ..., check: _Optional[bytes] = ...) -> None: ...
+
+class AttachFeatureMemoryReply(_message.Message):
+    __slots__ = ("error",)
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    def __init__(self, error: _Optional[str] = ...) -> None: ...
+
+class FeatureSpan(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
 class GetDraftStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -54,7 +76,7 @@ class DraftInfo(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., model_name: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_sha256: _Optional[str] = ..., needs_hidden_states: _Optional[bool] = ..., target_hidden_size: _Optional[int] = ..., aux_layer_inputs: _Optional[_Iterable[int]] = ..., target_num_layers: _Optional[int] = ..., max_context: _Optional[int] = ..., sampled_trees: _Optional[bool] = ...) -> None: ...
 
 class SeqDraftInput(_message.Message):
-    __slots__ = ("seq_id", "start", "new_tokens", "hidden_states", "hidden_dim", "dtype", "shape", "sampling", "traceparent")
+    __slots__ = ("seq_id", "start", "new_tokens", "hidden_states", "hidden_dim", "dtype", "shape", "sampling", "traceparent", "hidden_states_at")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +86,7 @@ class SeqDraftInput(_message.Message):
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_STATES_AT_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     start: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -73,19 +96,22 @@ class SeqDraftInput(_message.Message):
     shape: _common_pb2.DraftShape
     sampling: _common_pb2.SamplingParams
     traceparent: bytes
-    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ..., hidden_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Union[_common_pb2.DraftShape, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[bytes] = ...) -> None: ...
+    hidden_states_at: FeatureSpan
+    def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ..., hidden_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Union[_common_pb2.DraftShape, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[bytes] = ..., hidden_states_at: _Optional[_Union[FeatureSpan, _Mapping]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("step", "seqs", "release_ids", "traceparent")
+    __slots__ = ("step", "seqs", "release_ids", "traceparent", "feature_memory")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     step: int
     seqs: _containers.RepeatedCompositeFieldContainer[SeqDraftInput]
     release_ids: _containers.RepeatedScalarFieldContainer[int]
     traceparent: bytes
-    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqDraftInput, _Mapping]]] = ..., release_ids: _Optional[_Iterable[int]] = ..., traceparent: _Optional[bytes] = ...) -> None: ...
+    feature_memory: str
+    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqDraftInput, _Mapping]]] = ..., release_ids: _Optional[_Iterable[int]] = ..., traceparent: _Optional[bytes] = ..., feature_memory: _Optional[str] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("seq_id", "tokens", "parents", "error", "proposals")

@@ -56,6 +56,11 @@ class DraftStub:
                 request_serializer=splitspec_dot_v1_dot_draft__pb2.GetDraftStatusRequest.SerializeToString,
                 response_deserializer=splitspec_dot_v1_dot_draft__pb2.DraftStatus.FromString,
                 _registered_method=True)
+        self.AttachFeatureMemory = channel.unary_unary(
+                '/splitspec.v1.Draft/AttachFeatureMemory',
+                request_serializer=splitspec_dot_v1_dot_draft__pb2.AttachFeatureMemoryRequest.SerializeToString,
+                response_deserializer=splitspec_dot_v1_dot_draft__pb2.AttachFeatureMemoryReply.FromString,
+                _registered_method=True)
 
 
 class DraftServicer:
@@ -90,6 +95,16 @@ class DraftServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachFeatureMemory(self, request, context):
+        """Whether the draft can read the target's feature memory: a segment the
+        target writes each request's EAGLE-3 features into, so that they need not
+        travel on the stream (a draft on the target's host). Asked on every
+        Exchange stream the target opens, each with its own segment.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DraftServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -112,6 +127,11 @@ def add_DraftServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=splitspec_dot_v1_dot_draft__pb2.GetDraftStatusRequest.FromString,
                     response_serializer=splitspec_dot_v1_dot_draft__pb2.DraftStatus.SerializeToString,
+            ),
+            'AttachFeatureMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachFeatureMemory,
+                    request_deserializer=splitspec_dot_v1_dot_draft__pb2.AttachFeatureMemoryRequest.FromString,
+                    response_serializer=splitspec_dot_v1_dot_draft__pb2.AttachFeatureMemoryReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +243,33 @@ class Draft:
             '/splitspec.v1.Draft/GetStatus',
             splitspec_dot_v1_dot_draft__pb2.GetDraftStatusRequest.SerializeToString,
             splitspec_dot_v1_dot_draft__pb2.DraftStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AttachFeatureMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitspec.v1.Draft/AttachFeatureMemory',
+            splitspec_dot_v1_dot_draft__pb2.AttachFeatureMemoryRequest.SerializeToString,
+            splitspec_dot_v1_dot_draft__pb2.AttachFeatureMemoryReply.FromString,
             options,
             channel_credentials,
             insecure,

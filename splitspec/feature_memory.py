@@ -1,0 +1,102 @@
+"""EAGLE-3 features through shared memory, for a draft on the target's host.
+
+On the Exchange stream the features cost about 2 ms a MB (docs/benchmarks.md, thirty-first
+part); at 32 streams of an 8B-shaped target a step carries several MB. Where the draft can map
+the target's memory, a request carries only where each sequence's features lie
+(``SeqDraftInput.hidden_states_at``) in a segment the target wrote
+(``DraftRequest.feature_memory``).
+
+The target makes one segment per stream it opens: an anonymous memfd, which the draft opens
+through ``/proc/<target pid>/fd/<fd>``. It goes when the target exits, so nothing is left
+behind, and a draft in another container or on another host cannot open it, which
+``AttachFeatureMemory`` finds out before the stream is used; the features then travel on the
+stream. A fresh segment per stream means that a draft still reading for a stream the target
+gave up on never sees its features rewritten. Within a stream the requests' regions form a
+ring: a region is written again only after the reply to its request, or to a later one,
+arrived. The draft answers in order and copies the features out before it replies.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from collections import deque
+
+import numpy as np
+
+CHECK_BYTES = 16  # the segment starts with these random bytes: the draft checks it opened ours
+
+
+class FeatureRing:
+    """The target's segment of ``size`` bytes, written as a ring of request regions."""
+
+    def __init__(self, size: int) -> None:
+        if size <= CHECK_BYTES:
+            raise ValueError(f"feature memory of {size} bytes holds no features")
+        self.size = size
+        self._fd = os.memfd_create("splitspec-features", os.MFD_CLOEXEC)
+        os.ftruncate(self._fd, size)
+        self._map = mmap.mmap(self._fd, size)
+        self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
+        self.check = os.urandom(CHECK_BYTES)
+        self._map[:CHECK_BYTES] = self.check
+        self._held: deque[tuple[int, int, int]] = deque()  # (step, start, end), oldest first
+
+    def put(self, data: np.ndarray, step: int) -> int | None:
+        """Write ``data`` (contiguous) for the request of ``step``: its offset, or None when
+        the ring has no room for it until replies free some (or ever)."""
+        size = data.nbytes
+        start = self._room(size) if size else None
+        if start is None:
+            return None
+        self._map[start:start + size] = memoryview(np.ascontiguousarray(data)).cast("B")
+        self._held.append((step, start, start + size))
+        return start
+
+    def _room(self, size: int) -> int | None:
+        if not self._held:
+            return CHECK_BYTES if CHECK_BYTES + size <= self.size else None
+        first, last = self._held[0][1], self._held[-1][2]
+        if last > first:  # the held regions run from first to last: room after, or at the start
+            if last + size <= self.size:
+                return last
+            return CHECK_BYTES if CHECK_BYTES + size <= first else None
+        return last if last + size <= first else None  # wrapped: room between them only
+
+    def replied(self, step: int) -> None:
+        """The reply to ``step`` arrived: the regions of it and of earlier requests are free."""
+        while self._held and self._held[0][0] <= step:
+            self._held.popleft()
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(end - start for _, start, end in self._held)
+
+    def close(self) -> None:
+        self._map.close()
+        os.close(self._fd)
+
+
+class FeatureMap:
+    """The draft's read-only view of a target's segment."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        with open(path, "rb") as file:
+            self._map = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ)
+
+    def check(self, expected: bytes) -> None:
+        """ValueError when the segment does not start with the target's check bytes."""
+        if self._map[:CHECK_BYTES] != expected:
+            raise ValueError(f"{self.path} is not the target's feature memory (its first "
+                             f"{CHECK_BYTES} bytes differ from the ones the target wrote)")
+
+    def read(self, offset: int, length: int) -> bytes:
+        """A copy of ``length`` bytes at ``offset``; ValueError when they are not in it."""
+        if offset < CHECK_BYTES or offset + length > len(self._map):
+            raise ValueError(f"features at {offset}..{offset + length} are outside the "
+                             f"{len(self._map)}-byte feature memory {self.path}")
+        return self._map[offset:offset + length]
+
+    def close(self) -> None:
+        self._map.close()
