@@ -104,7 +104,7 @@ class StandInDraft:
     def __init__(self) -> None:
         self._replies: list[draft_pb2.DraftReply] = []
 
-    def send(self, request: draft_pb2.DraftRequest) -> Sent:
+    def send(self, request: draft_pb2.DraftRequest, features: object = None) -> Sent:
         self._replies.append(draft_pb2.DraftReply(step=request.step, trees=[
             draft_pb2.DraftTree(seq_id=s.seq_id, tokens=[5, 0, 0, 5], parents=[0, 0, 2, 2])
             for s in request.seqs]))

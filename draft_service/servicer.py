@@ -23,6 +23,7 @@ import grpc
 from draft_service.drafter import BaseDrafter, SeqInput, SeqResult, TreeShape
 from draft_service.models import DraftSpec
 from splitspec import telemetry
+from splitspec.feature_memory import FeatureMap
 from splitspec.init_report import InitReport
 from splitspec.sampling import SamplingParams
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -59,11 +60,20 @@ def draft_info(spec: DraftSpec, max_context: int, sampled_trees: bool = False
     )
 
 
-def seq_input_from_pb(pb: draft_pb2.SeqDraftInput) -> SeqInput:
+def seq_input_from_pb(pb: draft_pb2.SeqDraftInput, memory: FeatureMap | None = None
+                      ) -> SeqInput:
+    """The drafter's input; features the target put in shared memory (``memory``, the
+    request's feature_memory) are copied out of it."""
+    hidden_states = pb.hidden_states
+    if pb.HasField("hidden_states_at"):
+        if memory is None:
+            raise ValueError(f"sequence {pb.seq_id}: hidden_states_at without the request's "
+                             "feature_memory")
+        hidden_states = memory.read(pb.hidden_states_at.offset, pb.hidden_states_at.length)
     return SeqInput(
         seq_id=pb.seq_id, start=pb.start, new_tokens=list(pb.new_tokens),
         shape=TreeShape(pb.shape.num_draft_tokens, pb.shape.topk, pb.shape.num_steps),
-        hidden_states=pb.hidden_states, hidden_dim=pb.hidden_dim, dtype=pb.dtype,
+        hidden_states=hidden_states, hidden_dim=pb.hidden_dim, dtype=pb.dtype,
         sampling=SamplingParams.from_pb(pb.sampling) if pb.HasField("sampling") else None)
 
 
@@ -95,10 +105,17 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                  context: grpc.ServicerContext) -> Iterator[draft_pb2.DraftReply]:
         session = self.drafter.open_session()
         num_sent = 0
+        memory: FeatureMap | None = None  # the stream's feature memory, opened at first use
         log.info("draft stream opened by %s", context.peer())
         try:
             for request in request_iterator:
-                reply = self._reply(session, request)
+                if request.feature_memory and (memory is None
+                                               or memory.path != request.feature_memory):
+                    if memory is not None:
+                        memory.close()
+                    memory = None  # (if the next line fails, the finally has nothing to close)
+                    memory = FeatureMap(request.feature_memory)
+                reply = self._reply(session, request, memory)
                 if self.fault == "malformed_tree":
                     for tree in reply.trees[num_sent % 2::2]:
                         corrupt(tree, self.info.vocab_size)
@@ -112,16 +129,20 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
             # The target cancelled its stream (it stops or reconnects): the normal end of a stream.
             log.info("draft stream from %s cancelled by the client", context.peer())
         finally:
+            if memory is not None:
+                memory.close()
             self.drafter.close_session(session)
             log.info("draft stream from %s closed", context.peer())
 
-    def _reply(self, session: object, request: draft_pb2.DraftRequest) -> draft_pb2.DraftReply:
+    def _reply(self, session: object, request: draft_pb2.DraftRequest,
+               memory: FeatureMap | None) -> draft_pb2.DraftReply:
         start = time.perf_counter()
         links = telemetry.links_to([s.traceparent for s in request.seqs]) if telemetry.enabled() else []
         with _TRACER.start_as_current_span(
                 "draft.exchange", context=telemetry.context_from(request.traceparent),
                 links=links) as span:
-            results = self.drafter.draft(session, [seq_input_from_pb(s) for s in request.seqs],
+            results = self.drafter.draft(session,
+                                         [seq_input_from_pb(s, memory) for s in request.seqs],
                                          request.release_ids)
             trees = [tree_to_pb(r) for r in results]
             draft_s = time.perf_counter() - start
@@ -132,6 +153,25 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                     "splitspec.errors": sum(bool(t.error) for t in trees),
                     "splitspec.draft_s": draft_s})
         return draft_pb2.DraftReply(step=request.step, trees=trees, draft_s=draft_s)
+
+    def AttachFeatureMemory(self, request: draft_pb2.AttachFeatureMemoryRequest,
+                            context: grpc.ServicerContext) -> draft_pb2.AttachFeatureMemoryReply:
+        """Whether this process can read the target's segment: it opens it and checks its
+        first bytes (each Exchange stream that names it opens it again, for its lifetime)."""
+        try:
+            memory = FeatureMap(request.path)
+        except OSError as exc:  # another host, container or user: the answer says so
+            log.warning("cannot read the target's feature memory %s: %s", request.path, exc)
+            return draft_pb2.AttachFeatureMemoryReply(error=f"cannot open {request.path}: {exc}")
+        try:
+            memory.check(request.check)
+        except ValueError as exc:
+            log.warning("%s", exc)
+            return draft_pb2.AttachFeatureMemoryReply(error=str(exc))
+        finally:
+            memory.close()
+        log.info("the target's features come through shared memory %s", request.path)
+        return draft_pb2.AttachFeatureMemoryReply()
 
     def GetInfo(self, request: draft_pb2.GetDraftInfoRequest,
                 context: grpc.ServicerContext) -> draft_pb2.DraftInfo:

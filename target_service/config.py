@@ -55,6 +55,11 @@ class TargetConfig:
                                     "flight finish (health NOT_SERVING; new requests are "
                                     "refused, and the gateway answers them UNAVAILABLE) before "
                                     "stopping; a second signal stops at once")
+    feature_memory_mb: int = option(256, "shared memory for an EAGLE-3 draft's features, "
+                                    "used when the draft can read it (on this host): they "
+                                    "then need not travel on the draft stream; a request "
+                                    "whose features do not fit sends them on the stream. "
+                                    "0 = always on the stream")
     draft_timeout_s: float = option(2.0, "deadline of one draft exchange; past it the step decodes plainly")
     connect_timeout_s: float = option(120.0, "how long connect_draft waits for the draft to be SERVING")
     init_report: Path | None = option(None, "also write the JSON init report to this file")

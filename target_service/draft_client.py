@@ -1,5 +1,7 @@
 """The target's end of the long-lived draft stream: one request and one reply per step
-(with the target's --early-exchange, the request is sent during the step before)."""
+(with the target's --early-exchange, the request is sent during the step before). An
+EAGLE-3 draft's features go into shared memory when the draft can read it
+(:mod:`splitspec.feature_memory`), else on the stream."""
 
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import grpc
+import numpy as np
 
+from splitspec.feature_memory import FeatureRing
 from splitspec.grpc_server import wait_for_serving
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -36,42 +40,110 @@ class Sent(NamedTuple):
     restarted: bool        # the stream was reopened to send it
 
 
+class Features(NamedTuple):
+    """A request's EAGLE-3 features (:meth:`DraftLink.send`): ``rows`` [n, bytes a row] of
+    ``width`` ``dtype`` values a row, the first ``counts[0]`` for its first sequence, and so
+    on."""
+
+    rows: np.ndarray
+    counts: list[int]
+    width: int
+    dtype: str
+
+
+def place_features(request: draft_pb2.DraftRequest, features: Features,
+                   ring: FeatureRing | None, key: int) -> None:
+    """Give each of ``request.seqs`` its features: in ``ring`` (held for the request ``key``,
+    :meth:`FeatureRing.put`) when it has room, else in the request itself."""
+    offset = ring.put(features.rows, key) if ring is not None else None
+    row_bytes = features.rows.shape[1]
+    at = 0
+    for item, count in zip(request.seqs, features.counts, strict=True):
+        item.hidden_dim, item.dtype = features.width, features.dtype
+        if offset is None:
+            item.hidden_states = features.rows[at:at + count].tobytes()
+        else:
+            item.hidden_states_at.offset = offset + at * row_bytes
+            item.hidden_states_at.length = count * row_bytes
+        at += count
+    if offset is not None:
+        request.feature_memory = ring.path
+
+
 class DraftLink:
     """Owns the Exchange stream; reopens it (after a pause) when it breaks.
 
     A reply is matched to its request by ``step``; a late reply to a request
-    that already timed out is dropped.
+    that already timed out is dropped. With ``feature_memory_bytes`` and a draft
+    that needs features, each stream it opens gets a segment of that size
+    (:class:`FeatureRing`) if the draft can read it.
     """
 
     def __init__(self, address: str, channel: grpc.Channel, info: draft_pb2.DraftInfo,
-                 timeout_s: float) -> None:
+                 timeout_s: float, feature_memory_bytes: int = 0) -> None:
         self.address = address
         self.info = info
         self.timeout_s = timeout_s
+        self.feature_memory_bytes = feature_memory_bytes
         self._stub = draft_pb2_grpc.DraftStub(channel)
         self._channel = channel
         self._requests: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
         self._call: grpc.Future | None = None
         self._retry_at = 0.0
+        self._ring: FeatureRing | None = None
+        self._sent = self._answered = 0  # requests sent and replies read on this stream
         self._open()
 
     @classmethod
-    def connect(cls, address: str, timeout_s: float, exchange_timeout_s: float) -> DraftLink:
+    def connect(cls, address: str, timeout_s: float, exchange_timeout_s: float,
+                feature_memory_bytes: int = 0) -> DraftLink:
         channel = wait_for_serving(address, timeout_s, "draft service")
         info = draft_pb2_grpc.DraftStub(channel).GetInfo(draft_pb2.GetDraftInfoRequest(), timeout=10)
-        return cls(address, channel, info, exchange_timeout_s)
+        return cls(address, channel, info, exchange_timeout_s, feature_memory_bytes)
+
+    @property
+    def feature_memory(self) -> str:
+        """Where this stream's features go: the segment's path, or "" (on the stream)."""
+        return self._ring.path if self._ring is not None else ""
 
     def init_report(self) -> common_pb2.InitReport:
         return self._stub.GetInitReport(common_pb2.GetInitReportRequest(), timeout=10)
 
     def _open(self) -> None:
+        self._close_ring()
+        if self.info.needs_hidden_states and self.feature_memory_bytes > 0:
+            self._ring = self._attach_ring()
+        self._sent = self._answered = 0
         self._requests = queue.Queue()
         self._replies = queue.Queue()
         requests = self._requests
         self._call = self._stub.Exchange(iter(requests.get, _END))
         threading.Thread(target=self._read, args=(self._call, self._replies), daemon=True,
                          name="draft-reader").start()
+
+    def _attach_ring(self) -> FeatureRing | None:
+        """A new segment for the stream about to open, or None when the draft cannot read it
+        (the features then travel on the stream; the log says why)."""
+        ring = FeatureRing(self.feature_memory_bytes)
+        request = draft_pb2.AttachFeatureMemoryRequest(path=ring.path, check=ring.check)
+        try:
+            error = self._stub.AttachFeatureMemory(request, timeout=self.timeout_s).error
+        except grpc.RpcError as exc:  # a draft without the call, or not answering now
+            error = f"AttachFeatureMemory failed: {exc.code().name} {exc.details()}"
+        if error:
+            ring.close()
+            log.warning("draft features travel on the stream, not through shared memory: %s",
+                        error)
+            return None
+        log.info("draft features through shared memory %s (%.0f MiB)", ring.path,
+                 ring.size / 2**20)
+        return ring
+
+    def _close_ring(self) -> None:
+        ring, self._ring = self._ring, None
+        if ring is not None:
+            ring.close()
 
     def _read(self, call: Iterator, replies: queue.Queue) -> None:
         try:
@@ -94,16 +166,21 @@ class DraftLink:
         """Send ``request`` and wait for its reply (at most the link's timeout)."""
         return self.receive(self.send(request))
 
-    def send(self, request: draft_pb2.DraftRequest) -> Sent:
+    def send(self, request: draft_pb2.DraftRequest, features: Features | None = None) -> Sent:
         """Queue ``request`` on the stream (reopened first when it broke and its pause is
-        over) without waiting: its reply is :meth:`receive`'s, due within the timeout."""
+        over) without waiting: its reply is :meth:`receive`'s, due within the timeout.
+        ``features`` go into the stream's feature memory when it has room, else into the
+        request."""
         restarted = False
         if self._call is None:
             if time.monotonic() < self._retry_at:
                 return Sent(request.step, 0.0, "draft stream down, retrying later", False)
             self._open()
             restarted = True
+        if features is not None:
+            place_features(request, features, self._ring, self._sent)
         self._requests.put(request)
+        self._sent += 1
         return Sent(request.step, time.monotonic() + self.timeout_s, "", restarted)
 
     def receive(self, sent: Sent) -> ExchangeResult:
@@ -121,6 +198,9 @@ class DraftLink:
             if isinstance(item, Exception):
                 self._break()
                 return ExchangeResult(None, f"draft stream failed: {item}", True)
+            self._answered += 1
+            if self._ring is not None:  # the draft has read the features of every request so far
+                self._ring.replied(self._answered - 1)
             if item.step == sent.step:
                 return ExchangeResult(item, "", sent.restarted)
             log.info("dropping late draft reply for step %d", item.step)
@@ -137,4 +217,5 @@ class DraftLink:
         if call is not None:
             self._requests.put(_END)
             call.cancel()
+        self._close_ring()
         self._channel.close()

@@ -45,7 +45,7 @@ from splitspec.tree import (
     tree_error,
 )
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
-from target_service.draft_client import DraftLink, ExchangeResult, Sent
+from target_service.draft_client import DraftLink, ExchangeResult, Features, Sent
 from target_service.runner import ForwardBatch, ModelRunner
 from target_service.scheduler import Scheduler
 from target_service.sequence import Sequence, SpecCounters
@@ -547,8 +547,8 @@ class Engine:
             trees = {i: tree for i, tree in early_trees.items() if i in matched}
             wanting = [s for s in wanting if s.seq_id not in matched]
         if wanting and self.draft is not None:
-            request, asked = self._draft_request(wanting, shapes, self._step)
-            sent = self.draft.send(request)
+            request, asked, features = self._draft_request(wanting, shapes, self._step)
+            sent = self.draft.send(request, features)
             self._flush()
             if not self._take_reply(self.draft.receive(sent), asked,
                                     list(request.release_ids), trees):
@@ -563,17 +563,18 @@ class Engine:
 
     def _draft_request(self, seqs: list[Sequence], shapes: dict[int, common_pb2.DraftShape],
                        step: int) -> tuple[draft_pb2.DraftRequest,
-                                           dict[int, tuple[int, common_pb2.DraftShape]]]:
-        """The request for ``seqs``, and what it asks of each: (its tokens now, shape)."""
+                                           dict[int, tuple[int, common_pb2.DraftShape]],
+                                           Features | None]:
+        """The request for ``seqs``, what it asks of each (its tokens now, shape), and the
+        features it carries (None when the draft needs none)."""
         request = draft_pb2.DraftRequest(
             step=step, release_ids=self._pending_releases,
             seqs=[self._draft_input(s, shapes[s.seq_id]) for s in seqs],
             traceparent=self._step_traceparent)
-        if self.capture:
-            self._attach_features(seqs, request.seqs)
-        return request, {s.seq_id: (len(s.tokens), shapes[s.seq_id]) for s in seqs}
+        features = self._features(seqs, request.seqs) if self.capture else None
+        return request, {s.seq_id: (len(s.tokens), shapes[s.seq_id]) for s in seqs}, features
 
-    def _attach_features(self, seqs: list[Sequence], items: list[draft_pb2.SeqDraftInput]) -> None:
+    def _features(self, seqs: list[Sequence], items: list[draft_pb2.SeqDraftInput]) -> Features:
         """Each item's captured features, from its first new token's predecessor (the draft
         pairs a token with the features of the one before) to the last cached token: read from
         the cache's features in one gather and one copy to the host for the whole request."""
@@ -581,13 +582,8 @@ class Engine:
                                                                                     strict=True)]
         rows = self.runner.read_features([slot for seq, span in zip(seqs, spans, strict=True)
                                           for slot in seq.table.slots(span)])
-        raw = rows.view(torch.uint8).numpy()
-        dtype = str(rows.dtype).removeprefix("torch.")
-        at = 0
-        for item, span in zip(items, spans, strict=True):
-            item.hidden_states = raw[at:at + len(span)].tobytes()
-            item.hidden_dim, item.dtype = rows.shape[1], dtype
-            at += len(span)
+        return Features(rows.view(torch.uint8).numpy(), [len(span) for span in spans],
+                        rows.shape[1], str(rows.dtype).removeprefix("torch."))
 
     def _send_early(self) -> _Early | None:
         """Send the next step's draft request now, at the end of this step, so that its way to
@@ -601,8 +597,8 @@ class Engine:
             [s for s in self.scheduler.decode_batch() if not s.is_cancelled])
         if not wanting:
             return None
-        request, asked = self._draft_request(wanting, shapes, self._step + 1)
-        return _Early(self.draft.send(request), asked, list(request.release_ids))
+        request, asked, features = self._draft_request(wanting, shapes, self._step + 1)
+        return _Early(self.draft.send(request, features), asked, list(request.release_ids))
 
     def _take_reply(self, result: ExchangeResult,
                     sent: dict[int, tuple[int, common_pb2.DraftShape]], releases: list[int],

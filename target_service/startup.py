@@ -238,7 +238,8 @@ def capture_cuda_graphs(cfg: TargetConfig, runner: ModelRunner, pool: PagePool,
 def connect_draft(cfg: TargetConfig, spec: ModelSpec, cache: KVCache) -> Detailed:
     """The draft's link, checked against this target; when the draft reads the target's
     captured layer inputs (EAGLE-3), ``cache`` keeps them for every slot from now on."""
-    link = DraftLink.connect(cfg.draft, cfg.connect_timeout_s, cfg.draft_timeout_s)
+    link = DraftLink.connect(cfg.draft, cfg.connect_timeout_s, cfg.draft_timeout_s,
+                             cfg.feature_memory_mb * 2**20)
     info = link.info
     problems = draft_mismatches(info, spec)
     if problems:
@@ -257,6 +258,8 @@ def connect_draft(cfg: TargetConfig, spec: ModelSpec, cache: KVCache) -> Detaile
             link.close()
             raise MemoryError(f"{short}; {LESS_MEMORY}")
         held = f" ({cache.hold_features(width, cache.data.dtype) / 2**20:.1f} MiB)"
+        held += (f", sent through shared memory {link.feature_memory}" if link.feature_memory
+                 else ", sent on the stream")
     draft = Draft(link, capture, link.init_report())
     return Detailed(draft, f"{info.kind} draft {info.model_name}, capture layer inputs "
                     f"{capture}{held}")

@@ -18,7 +18,7 @@ import torch
 from splitspec.attention.base import new_token_slots
 from splitspec.kv_cache import KVCache, PagePool
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
-from target_service.draft_client import ExchangeResult, Sent
+from target_service.draft_client import ExchangeResult, Features, Sent, place_features
 from target_service.engine import STOPPING, Engine, EngineLimits
 from target_service.runner import ModelRunner
 from target_service.scheduler import Scheduler
@@ -372,7 +372,9 @@ class ChainDraft:
         self._replies: list[draft_pb2.DraftReply] = []
         self.on_send: Callable[[draft_pb2.DraftRequest], None] = lambda request: None
 
-    def send(self, request: draft_pb2.DraftRequest) -> Sent:
+    def send(self, request: draft_pb2.DraftRequest, features: Features | None = None) -> Sent:
+        if features is not None:  # in the request, as the link without shared memory does
+            place_features(request, features, None, 0)
         self.sent.append((self.engine._step, draft_pb2.DraftRequest.FromString(
             request.SerializeToString())))
         self.on_send(request)
@@ -472,8 +474,8 @@ class BranchDraft(ChainDraft):
     NullRunner's argmax (7) accepts the second child and its first, nodes 2 and 3, which the
     KV compaction (and the kept features) move to the places of nodes 1 and 2."""
 
-    def send(self, request: draft_pb2.DraftRequest) -> Sent:
-        sent = super().send(request)
+    def send(self, request: draft_pb2.DraftRequest, features: Features | None = None) -> Sent:
+        sent = super().send(request, features)
         self._replies[-1] = draft_pb2.DraftReply(step=request.step, trees=[
             draft_pb2.DraftTree(seq_id=s.seq_id, tokens=[5, 7, 7, 5], parents=[0, 0, 2, 2])
             for s in request.seqs])

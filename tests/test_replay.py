@@ -376,26 +376,35 @@ def draft_status(address: str) -> draft_pb2.DraftStatus:
 def test_replayed_generation_is_exact_at_the_chosen_acceptance(recorded):
     path, records, logs = recorded
     # "0 features": --replay-features, so the target sends an EAGLE-3 head's features, which
-    # the draft checks (a request without them, or of the wrong size, fails its trees)
+    # the draft checks (a request without them, or of the wrong size, fails its trees); through
+    # shared memory, and with "on the stream" (the target's --feature-memory-mb 0) in requests
+    labels = ("0", "1", "0 features", "0 features on the stream")
     drafts = {label: Service("draft_service", [
         "--kind", "replay", "--replay-file", str(path), "--replay-corrupt-rate", label.split()[0],
         "--target-model", str(BUILTIN_TARGET), *(["--replay-features"] if "features" in label
                                                  else [])], logs)
-        for label in ("0", "1", "0 features")}
+        for label in labels}
     services = list(drafts.values())
     try:
         for draft in drafts.values():
             draft.wait_serving()
-        targets = {rate: Service("target_service", ["--draft", draft.address, *TARGET_CHAIN], logs)
-                   for rate, draft in drafts.items()}
+        targets = {rate: Service("target_service", [
+            "--draft", draft.address, *TARGET_CHAIN,
+            *(["--feature-memory-mb", "0"] if rate.endswith("stream") else [])], logs)
+            for rate, draft in drafts.items()}
         services += targets.values()
         for target in targets.values():
             target.wait_serving()
         prompts = [r.prompt for r in records]
         for rate, target in targets.items():
             with grpc.insecure_channel(target.address) as channel:
-                info = target_pb2_grpc.TargetStub(channel).GetInfo(target_pb2.GetTargetInfoRequest(),
-                                                                 timeout=10)
+                stub = target_pb2_grpc.TargetStub(channel)
+                info = stub.GetInfo(target_pb2.GetTargetInfoRequest(), timeout=10)
+                report = stub.GetInitReport(common_pb2.GetInitReportRequest(), timeout=10)
+            link = next(s.detail for s in report.steps if s.name == "connect_draft")
+            if "features" in rate:
+                how = "on the stream" if rate.endswith("stream") else "through shared memory"
+                assert f"sent {how}" in link, (rate, link)
             features = ", features" if "features" in rate else ""
             assert info.draft_model_name == (f"replay(records.jsonl, corrupt "
                                              f"{float(rate.split()[0]):.2f}{features})")
