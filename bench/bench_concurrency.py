@@ -662,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="--draft-kind replay: the draft also takes an EAGLE-3 head's "
                              "features with every request (draft_service --replay-features), "
                              "so the exchange carries what a head of the target's shape gets")
+    parser.add_argument("--feature-memory-mb", type=int,
+                        help="with --start: the target's --feature-memory-mb (default: the "
+                             "target's; 0 sends a head's features on the draft stream)")
     parser.add_argument("--target-model", type=Path,
                         help="with --start: the target checkpoint folder (default: --models' "
                              "target/); its tokenizer encodes the prompts")
@@ -736,10 +739,11 @@ def main(argv: list[str] | None = None) -> int:
                      f"{args.device}); on CPU pass --target-model or use the built-in target")
     if args.random_8b and args.target_model:
         parser.error("--random-8b and --target-model both name the target: pass one")
-    if not args.start and (replay or args.random_8b or args.target_model or args.max_context):
-        parser.error("--draft-kind replay, --random-8b, --target-model and --max-context start "
-                     "services: they need --start (against a running stack the report takes "
-                     "the draft's name from the target)")
+    if not args.start and (replay or args.random_8b or args.target_model or args.max_context
+                           or args.feature_memory_mb is not None):
+        parser.error("--draft-kind replay, --random-8b, --target-model, --max-context and "
+                     "--feature-memory-mb start services: they need --start (against a running "
+                     "stack the report takes the draft's name from the target)")
     if args.replay_features and not replay:
         parser.error("--replay-features is for --draft-kind replay")
     if not 0 <= args.replay_corrupt_rate <= 1:  # NaN fails too
@@ -761,7 +765,8 @@ def main(argv: list[str] | None = None) -> int:
                      "concurrency": args.concurrency, "modes": args.modes,
                      "random_weights": args.random_8b, "max_context": args.max_context or None,
                      "replay_corrupt_rate": args.replay_corrupt_rate if replay else None,
-                     "replay_features": args.replay_features and replay},
+                     "replay_features": args.replay_features and replay,
+                     "feature_memory_mb": args.feature_memory_mb},
         "results": [], "complete": False}
     procs: list[subprocess.Popen] = []
     draft: draft_pb2_grpc.DraftStub | None = None
@@ -785,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
             max_running = max(32, *args.concurrency)
             context = ["--max-context", str(args.max_context)] if args.max_context else []
             draft_args, draft_port = None, None
+            memory = ([] if args.feature_memory_mb is None
+                      else ["--feature-memory-mb", str(args.feature_memory_mb)])
             if replay:
                 records = work / "records.jsonl"
                 record_replay(target_model, prompts, args,
@@ -798,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
                                              target_model=target_model, draft_args=draft_args,
                                              draft_port=draft_port, extra_args=context,
                                              target_args=["--graph-tree-sizes",
-                                                          graph_tree_sizes(args.shape)])
+                                                          graph_tree_sizes(args.shape),
+                                                          *memory])
             report["settings"]["target"] = args.target
             if draft_port is not None:
                 draft_channel = grpc.insecure_channel(f"127.0.0.1:{draft_port}",
@@ -823,6 +831,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target start-up: {report['target_init']['total_s']:.1f} s of steps; "
               f"capture_cuda_graphs {graphs['duration_s']:.1f} s: {graphs['detail']}",
               file=sys.stderr, flush=True)
+        link = next(s for s in report["target_init"]["steps"] if s["name"] == "connect_draft")
+        print(f"target connect_draft: {link['detail']}", file=sys.stderr, flush=True)
         report["settings"]["target_model"] = info.model_name
         report["settings"]["target_label"] = (
             f"{info.model_name} (Llama-3.1-8B shape, RANDOM bf16 weights)" if args.random_8b

@@ -5,7 +5,8 @@ answers each DraftRequest with an 8-node tree after ``--draft-ms`` of busy work 
 drafting); the target's side is the real ``target_service.draft_client.DraftLink``, which
 does ``--target-ms`` of busy work (its verify forward and bookkeeping) before each
 exchange. Each request carries ``--feature-bytes`` of hidden states, as the target's
-catch-up does. Reported per setting: the median of the exchange's wall time less the
+catch-up does: on the stream, or through the target's shared memory (``--via memory``: the
+link's FeatureRing, which the stand-in reads the way the draft service does). Reported per setting: the median of the exchange's wall time less the
 draft's work (the transit), and its two halves, timed across the processes with the
 wall clock: target to draft (the request queued until the draft's handler has it) and back
 (the reply built until ``exchange`` returns it).
@@ -16,6 +17,7 @@ a sleeping thread.
 
     python bench/bench_exchange.py                       # 0/0 ms and 9/10 ms, 2 repeats
     python bench/bench_exchange.py --work 0:0,2:5 --steps 500 --out-json /tmp/exchange.json
+    python bench/bench_exchange.py --work 0:0 --feature-bytes 1336934 --via stream,memory
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import numpy as np
 from bench_speculation import free_port
 
+from draft_service.servicer import seq_input_from_pb
+from splitspec.feature_memory import FeatureMap
 from splitspec.grpc_server import CHANNEL_OPTIONS
 from splitspec.v1 import draft_pb2, draft_pb2_grpc
-from target_service.draft_client import DraftLink
+from target_service.draft_client import DraftLink, Features
 
 TREE = draft_pb2.DraftTree(seq_id=1, tokens=list(range(8)), parents=[0, 1, 1, 2, 2, 3, 4, 5])
 
@@ -54,9 +59,18 @@ class StandInDraft(draft_pb2_grpc.DraftServicer):
     def __init__(self, work_s: float) -> None:
         self.work_s = work_s
 
+    def AttachFeatureMemory(self, request, context):
+        FeatureMap(request.path).close()  # (no error handling: the run fails if it cannot)
+        return draft_pb2.AttachFeatureMemoryReply()
+
     def Exchange(self, request_iterator, context):
+        memory = None
         for request in request_iterator:
             arrived = time.time()
+            if request.feature_memory and memory is None:
+                memory = FeatureMap(request.feature_memory)
+            for item in request.seqs:  # the features as the drafter gets them
+                seq_input_from_pb(item, memory)
             busy(self.work_s)
             tree = draft_pb2.DraftTree()
             tree.CopyFrom(TREE)
@@ -75,9 +89,10 @@ def serve(port: int, work_s: float, ready: mp.Event) -> None:
     server.wait_for_termination()
 
 
-def measure(draft_ms: float, target_ms: float, steps: int, feature_bytes: int) -> dict:
+def measure(draft_ms: float, target_ms: float, steps: int, feature_bytes: int,
+            via: str = "stream") -> dict:
     """One stand-in draft process and ``steps`` exchanges through a DraftLink (the first
-    tenth not counted)."""
+    tenth not counted), the features on the stream or (``via`` "memory") in shared memory."""
     port = free_port()
     ready = mp.Event()
     draft = mp.Process(target=serve, args=(port, draft_ms / 1000, ready), daemon=True)
@@ -86,18 +101,23 @@ def measure(draft_ms: float, target_ms: float, steps: int, feature_bytes: int) -
         raise RuntimeError("the stand-in draft did not start within 30 s")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     grpc.channel_ready_future(channel).result(timeout=30)
-    link = DraftLink(f"127.0.0.1:{port}", channel, draft_pb2.DraftInfo(), timeout_s=5.0)
-    features = bytes(feature_bytes)
+    memory = 4 * feature_bytes + (1 << 20) if via == "memory" else 0
+    link = DraftLink(f"127.0.0.1:{port}", channel,
+                     draft_pb2.DraftInfo(needs_hidden_states=bool(feature_bytes)),
+                     timeout_s=5.0, feature_memory_bytes=memory)
+    if bool(link.feature_memory) != bool(memory and feature_bytes):
+        raise RuntimeError(f"the features would not go {via}")
+    features = Features(np.zeros((1, feature_bytes), np.uint8), [1], feature_bytes // 2,
+                        "bfloat16")
     transit, out, back = [], [], []
     try:
         for step in range(steps):
             busy(target_ms / 1000)
             request = draft_pb2.DraftRequest(step=step, seqs=[draft_pb2.SeqDraftInput(
-                seq_id=1, start=step, new_tokens=[1, 2, 3], hidden_states=features,
-                hidden_dim=max(feature_bytes // 12, 1), dtype="bfloat16")])
+                seq_id=1, start=step, new_tokens=[1, 2, 3])])
             sent = time.time()
             start = time.perf_counter()
-            result = link.exchange(request)
+            result = link.receive(link.send(request, features if feature_bytes else None))
             wall = time.perf_counter() - start
             received = time.time()
             if result.reply is None:
@@ -112,6 +132,7 @@ def measure(draft_ms: float, target_ms: float, steps: int, feature_bytes: int) -
         draft.terminate()
         draft.join(10)
     return {"draft_ms": draft_ms, "target_ms": target_ms, "feature_bytes": feature_bytes,
+            "via": via,
             "steps": len(transit), "transit_ms": 1000 * statistics.median(transit),
             "to_draft_ms": 1000 * statistics.median(out),
             "back_ms": 1000 * statistics.median(back)}
@@ -140,17 +161,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--feature-bytes", type=int, default=12288,
                         help="hidden-state bytes per request (3 captured layers, 4 tokens, "
                              "hidden 256, float32: the built-in pair's catch-up)")
+    parser.add_argument("--via", default="stream",
+                        help="comma-separated: how the features travel, stream and/or memory "
+                             "(the target's shared memory), interleaved in each repeat")
     parser.add_argument("--out-json", type=Path)
     args = parser.parse_args(argv)
     if args.steps < 10 or args.repeats < 1:
         parser.error("need --steps >= 10 and --repeats >= 1")
+    vias = args.via.split(",")
+    if not set(vias) <= {"stream", "memory"}:
+        parser.error(f"--via takes stream and/or memory, got {args.via!r}")
     runs = []
     for repeat in range(args.repeats):
-        for draft_ms, target_ms in args.work:
-            run = measure(draft_ms, target_ms, args.steps, args.feature_bytes)
+        for (draft_ms, target_ms), via in ((work, via) for work in args.work for via in vias):
+            run = measure(draft_ms, target_ms, args.steps, args.feature_bytes, via)
             run["repeat"] = repeat
             runs.append(run)
-            print(f"draft {draft_ms:g} ms, target {target_ms:g} ms: transit "
+            print(f"draft {draft_ms:g} ms, target {target_ms:g} ms, features {via}: transit "
                   f"{run['transit_ms']:.3f} ms (to the draft {run['to_draft_ms']:.3f}, back "
                   f"{run['back_ms']:.3f})", flush=True)
     if args.out_json:

@@ -28,3 +28,19 @@ def test_a_short_run_reports_the_transit_without_the_drafts_work(tmp_path):
 def test_work_needs_draft_and_target_milliseconds(text):
     with pytest.raises(argparse.ArgumentTypeError):
         bx.parse_work(text)
+
+
+def test_features_go_on_the_stream_or_through_shared_memory_as_asked(tmp_path, capsys):
+    out = tmp_path / "exchange.json"
+    assert bx.main(["--work", "0:0", "--steps", "20", "--repeats", "1", "--feature-bytes",
+                    "65536", "--via", "stream,memory", "--out-json", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(run["via"], run["feature_bytes"], run["steps"]) for run in runs] == [
+        ("stream", 65536, 18), ("memory", 65536, 18)]
+    assert "features memory: transit" in capsys.readouterr().out
+
+
+def test_via_names_a_way(capsys):
+    with pytest.raises(SystemExit):
+        bx.main(["--via", "stream,pigeon"])
+    assert "--via takes stream and/or memory, got 'stream,pigeon'" in capsys.readouterr().err
