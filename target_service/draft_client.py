@@ -6,6 +6,7 @@ EAGLE-3 draft's features go into shared memory when the draft can read it
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -125,7 +126,15 @@ class DraftLink:
     def _attach_ring(self) -> FeatureRing | None:
         """A new segment for the stream about to open, or None when the draft cannot read it
         (the features then travel on the stream; the log says why)."""
-        ring = FeatureRing(self.feature_memory_bytes)
+        if not hasattr(os, "memfd_create"):  # not Linux
+            log.info("draft features travel on the stream: no memfd_create on this system")
+            return None
+        try:
+            ring = FeatureRing(self.feature_memory_bytes)
+        except OSError as exc:  # out of memory or file descriptors: the stream still works
+            log.warning("draft features travel on the stream, not through shared memory: "
+                        "%d bytes of it could not be made: %s", self.feature_memory_bytes, exc)
+            return None
         request = draft_pb2.AttachFeatureMemoryRequest(path=ring.path, check=ring.check)
         try:
             error = self._stub.AttachFeatureMemory(request, timeout=self.timeout_s).error

@@ -233,3 +233,23 @@ def test_no_memory_without_a_draft_that_needs_features(draft):
         assert link.feature_memory == ""
     finally:
         link.close()
+
+
+def test_memory_that_cannot_be_made_leaves_the_features_on_the_stream(draft, caplog,
+                                                                      monkeypatch):
+    recorder, _, start = draft
+    address = start()
+
+    def no_memory(name, flags=0):
+        raise OSError(24, "Too many open files")
+    monkeypatch.setattr("os.memfd_create", no_memory)
+    link = open_link(address, 1 << 20)
+    try:
+        assert link.feature_memory == ""
+        assert any("could not be made: [Errno 24] Too many open files" in m
+                   for m in caplog.messages)
+        request, features = request_of(1, [2])
+        assert link.receive(link.send(request, features)).reply is not None
+        assert recorder.seen == expected(request, features)
+    finally:
+        link.close()
