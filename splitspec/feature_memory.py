@@ -40,17 +40,18 @@ class FeatureRing:
         self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
         self.check = os.urandom(CHECK_BYTES)
         self._map[:CHECK_BYTES] = self.check
-        self._held: deque[tuple[int, int, int]] = deque()  # (step, start, end), oldest first
+        self._held: deque[tuple[int, int, int]] = deque()  # (key, start, end), oldest first
 
-    def put(self, data: np.ndarray, step: int) -> int | None:
-        """Write ``data`` (contiguous) for the request of ``step``: its offset, or None when
-        the ring has no room for it until replies free some (or ever)."""
+    def put(self, data: np.ndarray, key: int) -> int | None:
+        """Write ``data`` for the request numbered ``key`` (the requests of a stream in the
+        order sent): its offset, or None when the ring has no room for it until replies free
+        some (or ever)."""
         size = data.nbytes
         start = self._room(size) if size else None
         if start is None:
             return None
         self._map[start:start + size] = memoryview(np.ascontiguousarray(data)).cast("B")
-        self._held.append((step, start, start + size))
+        self._held.append((key, start, start + size))
         return start
 
     def _room(self, size: int) -> int | None:
@@ -63,9 +64,9 @@ class FeatureRing:
             return CHECK_BYTES if CHECK_BYTES + size <= first else None
         return last if last + size <= first else None  # wrapped: room between them only
 
-    def replied(self, step: int) -> None:
-        """The reply to ``step`` arrived: the regions of it and of earlier requests are free."""
-        while self._held and self._held[0][0] <= step:
+    def replied(self, key: int) -> None:
+        """The reply to request ``key`` arrived: its region and earlier ones are free."""
+        while self._held and self._held[0][0] <= key:
             self._held.popleft()
 
     @property
