@@ -115,6 +115,7 @@ class _Early(NamedTuple):
     sent: Sent
     seqs: dict[int, tuple[int, common_pb2.DraftShape]]  # seq_id -> (its tokens then, shape)
     releases: list[int]                                 # the release_ids it carried
+    tokens: int                                         # tokens it sent (its catch-up)
 
 
 class _Stream(NamedTuple):
@@ -157,6 +158,10 @@ def first_child_counts(decode: list[Sequence], trees: dict[int, Tree],
     return counts
 
 
+def _input_tokens(request: draft_pb2.DraftRequest) -> int:
+    return sum(len(item.new_tokens) for item in request.seqs)
+
+
 def always_speculate(shape: common_pb2.DraftShape) -> target_pb2.SpecPolicy:
     """A policy that speculates with this shape at every batch size."""
     return target_pb2.SpecPolicy(entries=[
@@ -190,6 +195,7 @@ class Engine:
         self._seq_ids = itertools.count(1)
         self._step = 0
         self._draft_compute_s = 0.0
+        self._draft_input_tokens = 0
         self._period_start: float | None = None  # end of the last step or of a wait for work
         self._step_traceparent = b""
         self._pending_releases: list[int] = []
@@ -449,6 +455,7 @@ class Engine:
         span = self._step_span([*prefill, *decode])
         draft_start = time.perf_counter()
         self._draft_compute_s = 0.0
+        self._draft_input_tokens = 0
         self._step_traceparent = telemetry.traceparent(span)
         trees, budget = self._draft_trees(decode)
         forward_start, forward_start_cpu = time.perf_counter(), time.thread_time()
@@ -472,6 +479,7 @@ class Engine:
             forward_launch_cpu_s=result.launched_cpu - forward_start_cpu,
             total_s=end - start, waiting=len(self.scheduler.waiting),
             draft_compute_s=self._draft_compute_s, period_s=end - period_start,
+            draft_input_tokens=self._draft_input_tokens,
             committed_tokens=committed, graphed=self.runner.last_graphed,
             first_child_accepted=first_child_counts(decode, trees, result.accepted, kept))
         self._record_step(self.last_stats, span)
@@ -537,6 +545,7 @@ class Engine:
         early, self._early = self._early, None
         trees: dict[int, Tree] = {}
         if early is not None:  # its reply first: the draft has caught up on what it sent
+            self._draft_input_tokens += early.tokens
             self._flush()  # the last step's events, while the draft works (see _flush)
             early_trees: dict[int, Tree] = {}
             if not self._take_reply(self.draft.receive(early.sent), early.seqs, early.releases,
@@ -549,6 +558,7 @@ class Engine:
         if wanting and self.draft is not None:
             request, asked, features = self._draft_request(wanting, shapes, self._step)
             sent = self.draft.send(request, features)
+            self._draft_input_tokens += _input_tokens(request)
             self._flush()
             if not self._take_reply(self.draft.receive(sent), asked,
                                     list(request.release_ids), trees):
@@ -598,7 +608,8 @@ class Engine:
         if not wanting:
             return None
         request, asked, features = self._draft_request(wanting, shapes, self._step + 1)
-        return _Early(self.draft.send(request, features), asked, list(request.release_ids))
+        return _Early(self.draft.send(request, features), asked, list(request.release_ids),
+                      _input_tokens(request))
 
     def _take_reply(self, result: ExchangeResult,
                     sent: dict[int, tuple[int, common_pb2.DraftShape]], releases: list[int],

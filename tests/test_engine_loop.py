@@ -411,6 +411,29 @@ def test_early_exchange_asks_for_each_steps_trees_during_the_step_before(early):
     assert list(draft.sent[3][1].release_ids) == [1] and draft.sent[3][1].seqs[0].seq_id == 2
 
 
+@pytest.mark.parametrize("early", [False, True])
+def test_step_stats_count_the_tokens_each_step_sent_the_draft(early):
+    """draft_input_tokens: the new tokens of the requests whose replies a step used (sent in
+    it, or early in the step before): a prompt's whole catch-up, then a step's commits."""
+    draft = ChainDraft()
+    with running_engine(NullRunner(), PagePool(8), draft, CHAIN, early) as engine:
+        stream, outbox = engine.open_stream()
+        engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
+            request_id=1, prompt_ids=[3, 1, 4, 1, 5], max_new_tokens=9, speculation=ON)))
+        stats, finished = {}, False
+        while not finished:
+            event = outbox.get(timeout=10)
+            stats[event.stats.step] = event.stats
+            finished = any(d.finish_reason for d in event.deltas)
+    sent: dict[int, int] = {}
+    for _, request in draft.sent:
+        sent[request.step] = sent.get(request.step, 0) + sum(len(s.new_tokens)
+                                                             for s in request.seqs)
+    assert {step: s.draft_input_tokens for step, s in stats.items()
+            if s.draft_input_tokens} == sent
+    assert list(sent.values())[:2] == [6, 3]  # the prompt and its first token; then 1 + 2
+
+
 def test_an_early_request_for_another_shape_is_asked_again():
     draft = ChainDraft()
     runner = SlowRunner()
