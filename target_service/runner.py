@@ -37,6 +37,7 @@ class ModelRunner:
         self.device = device
         self.graphs: StepGraphs | None = None  # set by the capture_cuda_graphs step
         self.last_graphed = False  # whether the last forward replayed a graph
+        self._staging: torch.Tensor | None = None  # pinned rows for read_features
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(logit_rows), V] float32; the captured features (``batch.capture``) go to
@@ -63,11 +64,26 @@ class ModelRunner:
 
     def read_features(self, slots: list[int]) -> torch.Tensor:
         """The captured features at global ``slots`` ([len(slots), width] on the host): one
-        gather and one copy. Rank 0's own (no other rank keeps them): nothing to announce."""
+        gather and one copy. Rank 0's own (no other rank keeps them): nothing to announce.
+
+        From a GPU the copy goes to pinned memory that the next call reuses, so the caller
+        must be done with the rows by then (the engine puts them in the draft request at
+        once). A copy to pageable memory ran at a twentieth of the speed on an H200 host
+        (32 against 1.3 ms for a catch-up's 49 MiB; docs/benchmarks.md, thirty-second part)."""
         if self.cache.features is None:
             raise RuntimeError("this target keeps no captured features (no EAGLE-3 draft)")
         index = torch.tensor(slots, dtype=torch.int64).to(self.device)
-        return self.cache.features.index_select(0, index).cpu()
+        rows = self.cache.features.index_select(0, index)
+        if rows.device.type != "cuda":
+            return rows
+        if self._staging is None or self._staging.shape[0] < len(slots):
+            size = max(len(slots), 2 * (self._staging.shape[0] if self._staging is not None
+                                        else 0))
+            self._staging = torch.empty((size, rows.shape[1]), dtype=rows.dtype,
+                                        pin_memory=True)
+        staging = self._staging[:len(slots)]
+        staging.copy_(rows)  # (to the host: returns once it is there)
+        return staging
 
     def stop(self) -> None:
         """Release the other ranks (nothing to do on one rank)."""

@@ -268,7 +268,7 @@ def test_prefill_graphs_and_mixed_steps_match_eager_steps(tree):
                                                  rows, (2, 3)))
             # the features the forward stored at its new tokens' slots (read before the
             # next step, whose tree overwrites this one's)
-            aux = runner.read_features(new_token_slots(attn))
+            aux = runner.read_features(new_token_slots(attn)).clone()  # (the next reuses it)
             seen.append((logits.float(), aux.float()))
             flags.append(runner.last_graphed)
             for i in new:
@@ -294,6 +294,23 @@ def test_prefill_graphs_and_mixed_steps_match_eager_steps(tree):
         same += (logits_g.argmax(-1) == logits_e.argmax(-1)).tolist()
     print(f"identical argmax {sum(same)}/{len(same)}")
     assert sum(same) >= 0.85 * len(same)
+
+
+def test_read_features_copies_the_rows_through_pinned_memory_it_reuses():
+    """ModelRunner.read_features from a GPU cache: the gathered rows, on the host in pinned
+    memory, for calls of growing and shrinking size (the buffer grows, then is reused)."""
+    from target_service.runner import ModelRunner
+
+    cache = KVCache(1, 64, PAGE, 1, 8, torch.bfloat16, "cuda")
+    cache.hold_features(24, torch.bfloat16)
+    cache.features.copy_(torch.randn(cache.features.shape, generator=torch.Generator()
+                                     .manual_seed(3)).to(cache.features))
+    runner = ModelRunner(None, cache, None, "cuda")
+    expected = cache.features.cpu()
+    for slots in ([5, 1, 9], list(range(40, 0, -3)), [7], list(range(300))):
+        rows = runner.read_features(slots)
+        assert rows.is_pinned() and rows.shape == (len(slots), 24)
+        assert torch.equal(rows, expected[slots])
 
 
 def test_prefill_graph_plans_refuse_what_they_cannot_replay():
