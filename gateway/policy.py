@@ -9,8 +9,9 @@ Three modes build it:
   (max batch size: num_draft_tokens/topk/num_steps, or 0 for off);
 * adaptive: :class:`AdaptivePolicy` measures, per batch-size bucket, the
   target's step time without speculation and with each of a few draft
-  budgets (by default the draft's shape and a chain of 3 nodes), and the
-  tokens a speculative step of each yields, and uses the budget (or none)
+  budgets (by default the draft's shape and a chain of 3 nodes), the
+  tokens a speculative step of each yields and what the tokens sent to the
+  draft cost, and uses the budget (or none)
   that gives the most tokens per second, judging short runs of another
   budget against the steps on both sides of them, with a margin against
   flapping.
@@ -130,20 +131,32 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, ANY_BATCH_SIZE)
 WINDOW = 64  # steps of the mode in use the sudden-drop check looks at
 PAIRS = 4    # probes whose paired ratios the adaptive policy averages
 GAINS = 128  # speculative steps whose committed tokens give speculation's tokens per step
+INPUTS = 256  # speculative steps per bucket and budget whose draft inputs give their cost
+PROMPTS = 1024  # steps whose prompts and commits give the prompt tokens per committed token
 
 
 def bucket_of(batch_size: int) -> int:
     return next(b for b in BUCKETS if batch_size <= b)
 
 
-def rate(samples: list[tuple[float, float]]) -> float:
-    """Tokens per second per sequence of (period_s, gain) samples: a step commits 1 + gain
-    tokens per sequence (gain 0 without speculation)."""
-    return sum(1 + gain for _, gain in samples) / sum(period for period, _ in samples)
+class Sample(NamedTuple):
+    """One step as the policy keeps it."""
+
+    period: float     # period_s
+    gain: float       # tokens committed per sequence beyond 1 (0 without speculation)
+    inputs: int = 0   # draft_input_tokens
+    committed: int = 0  # committed_tokens
+    draft: float = 0.0  # draft_s
 
 
-def mean_period(samples: list[tuple[float, float]]) -> float:
-    return sum(period for period, _ in samples) / len(samples)
+def rate(samples: list[Sample]) -> float:
+    """Tokens per second per sequence of samples: a step commits 1 + gain tokens per
+    sequence (gain 0 without speculation)."""
+    return sum(1 + s.gain for s in samples) / sum(s.period for s in samples)
+
+
+def mean_period(samples: list[Sample]) -> float:
+    return sum(s.period for s in samples) / len(samples)
 
 
 def _deques(maxlen: int) -> defaultdict:
@@ -155,10 +168,12 @@ class _Bucket:
     """What was measured at one batch-size bucket. Modes are indices into
     :attr:`AdaptivePolicy.modes` (0: off); "the other modes" are those not in use."""
 
-    window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # (period_s, gain) of
-    # the mode in use since the last probe was judged (the sudden-drop check)
+    window: deque = field(default_factory=lambda: deque(maxlen=WINDOW))  # Samples of the mode
+    # in use since the last probe was judged (the sudden-drop check)
     gains: defaultdict = field(default_factory=lambda: _deques(GAINS))  # per speculative mode
     batches: defaultdict = field(default_factory=lambda: _deques(WINDOW))  # batch sizes per mode
+    inputs: defaultdict = field(default_factory=lambda: _deques(INPUTS))  # per speculative
+    # mode: (draft_input_tokens, draft_s) of every step, its catch-ups included
     mode: int = 1             # the mode in use (until decided: the nearest decided bucket's)
     decided: bool = False     # judged at least one probe of its own
     probing: int = 0          # the mode of the current or last probe
@@ -168,6 +183,8 @@ class _Bucket:
     # other mode's last probe
     before: list = field(default_factory=list)  # the mode in use's steps just before the probe
     probe: list = field(default_factory=list)   # this probe's samples
+    first: Sample | None = None  # this probe's first step (the change of mode: a catch-up)
+    back: Sample | None = None   # ... and the mode in use's first step after it (another)
     after: list = field(default_factory=list)   # ... and the mode in use's just after it
     ratios: defaultdict = field(default_factory=lambda: _deques(PAIRS))  # per other mode: its
     # rate over the mode in use's, per probe
@@ -250,6 +267,22 @@ class AdaptivePolicy:
     below its rate at the last probe, the next probe starts then (a shorter,
     gentler trigger fires on noise and probes every few dozen steps).
 
+    What the draft is sent costs too. A speculative step's sequences each send the draft
+    the tokens committed since their last request (an EAGLE-3 head a feature row with
+    each, 24 KiB at the 8B shape), a new sequence its whole prompt, and a return to
+    speculation everything committed while it was off. So a probe that follows a catch-up
+    of every sequence (left out as its first step) sends less than a steady run of that
+    budget, which pays for each new sequence's prompt: with a head's features at 32 streams
+    on an H200, a 3-token chain's probes beat plain decoding while a steady chain ran at
+    0.81 of it, and the policy kept returning to it (adaptive 0.87 of off). Each
+    speculative step's time is therefore restated for the input a steady run sends
+    (:meth:`_rate`): the committed tokens and ``prompt_ratio`` prompt tokens per committed
+    token, at :meth:`input_cost` per token, the slope of the target's draft wait over the
+    tokens it sent (``draft_input_tokens``); and a probe's cost, which spaces its probes and
+    says whether it is far behind, includes the catch-ups at its first step and at the
+    first step back. A target that does not report draft_input_tokens leaves both as they
+    were.
+
     A bucket that has not yet judged a probe of its own follows the nearest
     bucket that has (the best mode changes slowly with the batch size), and
     first probes each other mode after ``first_probe`` steps of its own:
@@ -274,6 +307,8 @@ class AdaptivePolicy:
         self.min_samples, self.probe_every, self.probe_steps = min_samples, probe_every, probe_steps
         self.min_gains = min_gains
         self.buckets = {b: _Bucket() for b in BUCKETS}
+        self._prompts: deque[tuple[int, int]] = deque(maxlen=PROMPTS)  # (prompt, committed)
+        self._prompt_sums = [0, 0]
         self._policy = self._build()
 
     @property
@@ -292,6 +327,7 @@ class AdaptivePolicy:
     def observe(self, stats: target_pb2.StepStats) -> target_pb2.SpecPolicy | None:
         """Learn from one decode step; returns the new policy when it changed."""
         mode = self._mode_of(stats)
+        self._count_prompts(stats.prefill_tokens, stats.committed_tokens)
         if stats.batch_size == 0 or stats.period_s <= 0 or mode is None:
             return None  # prompts alone say nothing about decode speed
         size = bucket_of(stats.batch_size)
@@ -300,23 +336,26 @@ class AdaptivePolicy:
         # step, so it weighs more on plain decoding's many short steps. The gain counts the
         # tokens committed, not accepted ones that max_new_tokens then dropped.
         gain = max(stats.committed_tokens / stats.batch_size - 1, 0.0) if mode else 0.0
-        sample = (stats.period_s, gain)
+        sample = Sample(stats.period_s, gain, stats.draft_input_tokens, stats.committed_tokens,
+                        stats.draft_s)
         counted = False
         if mode == bucket.mode:
-            if bucket.settling:  # the first step back after a probe
-                bucket.settling = False
+            if bucket.settling:  # the first step back after a probe (its catch-up counts in
+                bucket.settling, bucket.back = False, sample  # the probe's cost)
             elif not bucket.probe_left:  # (a probe's steps the target ran late are left out)
                 # the steps after a probe are judged with it (the window starts over then)
                 (bucket.after if bucket.after_left else bucket.window).append(sample)
                 counted = True
         elif bucket.probe_left and mode == bucket.probing:
-            if bucket.fresh:  # a probe's first step: the change of mode
-                bucket.fresh = False
+            if bucket.fresh:  # a probe's first step: the change of mode (its catch-up counts
+                bucket.fresh, bucket.first = False, sample  # in the probe's cost, not its rate)
             else:
                 bucket.probe.append(sample)
                 counted = True
         if counted and mode:
             bucket.gains[mode].append(gain)
+        if mode:
+            bucket.inputs[mode].append((stats.draft_input_tokens, stats.draft_s))
         if mode and stats.first_child_accepted:
             self._chain_gains(bucket, mode, stats)
         bucket.batches[mode].append(stats.batch_size)
@@ -339,6 +378,44 @@ class AdaptivePolicy:
             if m not in (0, mode) and shape.topk == 1 and length <= depth:
                 accepted = sum(stats.first_child_accepted[:length])
                 bucket.gains[m].append(accepted / stats.batch_size)
+
+    def _count_prompts(self, prompt: int, committed: int) -> None:
+        if len(self._prompts) == PROMPTS:
+            old_prompt, old_committed = self._prompts[0]
+            self._prompt_sums[0] -= old_prompt
+            self._prompt_sums[1] -= old_committed
+        self._prompts.append((prompt, committed))
+        self._prompt_sums[0] += prompt
+        self._prompt_sums[1] += committed
+
+    @property
+    def prompt_ratio(self) -> float:
+        """Prompt tokens per committed token over the last PROMPTS steps (0 before any)."""
+        prompt, committed = self._prompt_sums
+        return prompt / committed if committed else 0.0
+
+    def input_cost(self) -> float:
+        """Seconds of draft wait per token sent to the draft: the slope of draft_s over
+        draft_input_tokens, pooled over each bucket's and budget's last INPUTS speculative
+        steps (0 until they vary; never below 0)."""
+        sxy = sxx = 0.0
+        for bucket in self.buckets.values():
+            for points in bucket.inputs.values():
+                if len(points) < 3:
+                    continue
+                mx = sum(x for x, _ in points) / len(points)
+                my = sum(y for _, y in points) / len(points)
+                sxy += sum((x - mx) * (y - my) for x, y in points)
+                sxx += sum((x - mx) ** 2 for x, _ in points)
+        return max(sxy / sxx, 0.0) if sxx > 0 else 0.0
+
+    def _catch_up(self, first: Sample | None) -> float:
+        """The draft wait a probe's first step spent on more input than a steady step sends
+        (at input_cost a token): what the change of mode cost beyond a step of the mode."""
+        if first is None:
+            return 0.0
+        excess = first.inputs - (1 + self.prompt_ratio) * first.committed
+        return min(max(excess * self.input_cost(), 0.0), first.draft)
 
     def _interval(self, bucket: _Bucket, mode: int) -> int:
         """Steps of the mode in use between probes of ``mode``."""
@@ -372,16 +449,29 @@ class AdaptivePolicy:
                   and rate(list(bucket.window)) < bucket.reference * (1 - self.sudden))
         if sudden or due[chosen] >= 1:
             bucket.probing, bucket.probe_left, bucket.probe = chosen, self.probe_steps, []
+            bucket.first = bucket.back = None
             bucket.since[chosen] = 0
             bucket.before = list(bucket.window)[-self.probe_steps:]
             bucket.fresh = True
 
-    def _rate(self, bucket: _Bucket, mode: int, samples: list) -> float:
-        """Tokens per second per sequence of ``mode``: step times from the samples, tokens
-        per speculative step from that budget's last GAINS steps."""
+    def _gain(self, bucket: _Bucket, mode: int) -> float:
         gains = bucket.gains[mode] if mode else ()
-        gain = sum(gains) / len(gains) if gains else 0.0
-        return (1 + gain) / mean_period(samples)
+        return sum(gains) / len(gains) if gains else 0.0
+
+    def _rate(self, bucket: _Bucket, mode: int, samples: list[Sample]) -> float:
+        """Tokens per second per sequence of ``mode``: step times from the samples, tokens
+        per speculative step from that budget's last GAINS steps. A speculative step's time
+        is restated for the draft input a steady run of the budget sends: each committed
+        token, and a prompt with each new sequence (prompt_ratio of them per committed
+        token), at input_cost each. A step that sent more (a catch-up) costs less, one that
+        sent less (no prompt arrived in a short probe) more, but never less than its time
+        outside the draft wait."""
+        if not mode:
+            return 1 / mean_period(samples)
+        cost, per_commit = self.input_cost(), 1 + self.prompt_ratio
+        periods = [max(s.period - cost * (s.inputs - per_commit * s.committed),
+                       s.period - s.draft) for s in samples]
+        return (1 + self._gain(bucket, mode)) * len(periods) / sum(periods)
 
     def _judge(self, bucket: _Bucket, size: int) -> None:
         """A probe and the steps after it ended: its paired ratio, and the decision on the
@@ -393,10 +483,20 @@ class AdaptivePolicy:
             return  # the target applied the probe too late to measure it: no judgement
         mine = self._rate(bucket, bucket.mode, current)
         theirs = self._rate(bucket, other, bucket.probe)
-        bucket.costs[other] = mean_period(bucket.probe) / mean_period(current)
+        # What the probe cost, the catch-ups at its first step and at the first step back
+        # included (a return to speculation brings the draft up to date on everything
+        # since it last ran: 100-560 ms at 32 streams of an 8B target with an EAGLE-3
+        # head's features, against 6 ms a plain step): its time against the same number of the mode in use's steps, and its
+        # tokens per second against theirs. The first spaces the probes of that mode, so
+        # that they take the same share of the time whatever they cost; the second says
+        # whether it is far behind, which spaces them further.
+        spent = (sum(s.period for s in bucket.probe) + self._catch_up(bucket.first)
+                 + self._catch_up(bucket.back))
+        bucket.costs[other] = spent / len(bucket.probe) / mean_period(current)
+        got = (1 + self._gain(bucket, other)) * len(bucket.probe) / spent
         bucket.ratios[other].append(theirs / mine)
         bucket.decided = True
-        clear = mine / theirs > 1 + self.clear
+        clear = mine / min(theirs, got) > 1 + self.clear
         bucket.streaks[other] = bucket.streaks[other] + 1 if clear else 0
         bucket.reference = mine
         mean = _geometric_mean(bucket.ratios[other])
