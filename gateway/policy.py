@@ -173,7 +173,7 @@ class _Bucket:
     gains: defaultdict = field(default_factory=lambda: _deques(GAINS))  # per speculative mode
     batches: defaultdict = field(default_factory=lambda: _deques(WINDOW))  # batch sizes per mode
     inputs: defaultdict = field(default_factory=lambda: _deques(INPUTS))  # per speculative
-    # mode: (draft_input_tokens, draft_s) of every step, its catch-ups included
+    # mode: (draft_input_tokens, draft_s) of its steps after one of the same mode
     mode: int = 1             # the mode in use (until decided: the nearest decided bucket's)
     decided: bool = False     # judged at least one probe of its own
     probing: int = 0          # the mode of the current or last probe
@@ -309,6 +309,7 @@ class AdaptivePolicy:
         self.buckets = {b: _Bucket() for b in BUCKETS}
         self._prompts: deque[tuple[int, int]] = deque(maxlen=PROMPTS)  # (prompt, committed)
         self._prompt_sums = [0, 0]
+        self._last_mode: int | None = None  # the last decode step's
         self._policy = self._build()
 
     @property
@@ -354,8 +355,9 @@ class AdaptivePolicy:
                 counted = True
         if counted and mode:
             bucket.gains[mode].append(gain)
-        if mode:
+        if mode and mode == self._last_mode:  # (not a change of mode: see input_cost)
             bucket.inputs[mode].append((stats.draft_input_tokens, stats.draft_s))
+        self._last_mode = mode
         if mode and stats.first_child_accepted:
             self._chain_gains(bucket, mode, stats)
         bucket.batches[mode].append(stats.batch_size)
@@ -397,7 +399,11 @@ class AdaptivePolicy:
     def input_cost(self) -> float:
         """Seconds of draft wait per token sent to the draft: the slope of draft_s over
         draft_input_tokens, pooled over each bucket's and budget's last INPUTS speculative
-        steps (0 until they vary; never below 0)."""
+        steps that followed one of the same mode (0 until they vary; never below 0). Their
+        inputs vary with the prompts that arrive, so this is what a prompt costs a steady
+        run. A change of mode's catch-up is left out: at 32 streams on an H200 a big one
+        cost more a token (39 against 25 us, session 36), and in a bucket that mostly runs
+        plain decoding its few points decided the slope."""
         sxy = sxx = 0.0
         for bucket in self.buckets.values():
             for points in bucket.inputs.values():
