@@ -495,14 +495,15 @@ class AdaptivePolicy:
         # head's features, against 6 ms a plain step): its time against the same number of the mode in use's steps, and its
         # tokens per second against theirs. The first spaces the probes of that mode, so
         # that they take the same share of the time whatever they cost; the second says
-        # whether it is far behind, which spaces them further.
+        # whether it is far behind, which spaces them further (a mode whose steady steps are
+        # ahead never is: its probes cost a catch-up, but it would pay that only once).
         spent = (sum(s.period for s in bucket.probe) + self._catch_up(bucket.first)
                  + self._catch_up(bucket.back))
         bucket.costs[other] = spent / len(bucket.probe) / mean_period(current)
         got = (1 + self._gain(bucket, other)) * len(bucket.probe) / spent
         bucket.ratios[other].append(theirs / mine)
         bucket.decided = True
-        clear = mine / min(theirs, got) > 1 + self.clear
+        clear = theirs < mine and mine / min(theirs, got) > 1 + self.clear
         bucket.streaks[other] = bucket.streaks[other] + 1 if clear else 0
         bucket.reference = mine
         mean = _geometric_mean(bucket.ratios[other])
