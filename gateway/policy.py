@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+import numpy as np
+
 from splitspec.tree import SMALL_CHAIN
 from splitspec.v1 import common_pb2, target_pb2
 
@@ -131,7 +133,8 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, ANY_BATCH_SIZE)
 WINDOW = 64  # steps of the mode in use the sudden-drop check looks at
 PAIRS = 4    # probes whose paired ratios the adaptive policy averages
 GAINS = 128  # speculative steps whose committed tokens give speculation's tokens per step
-INPUTS = 256  # speculative steps per bucket and budget whose draft inputs give their cost
+INPUTS = 64  # speculative steps per bucket and budget whose draft inputs give their cost
+MIN_SLOPES = 20  # pairs of them below which a budget's cost a token is every budget's
 PROMPTS = 1024  # steps whose prompts and commits give the prompt tokens per committed token
 
 
@@ -396,32 +399,43 @@ class AdaptivePolicy:
         prompt, committed = self._prompt_sums
         return prompt / committed if committed else 0.0
 
-    def input_cost(self) -> float:
-        """Seconds of draft wait per token sent to the draft: the slope of draft_s over
-        draft_input_tokens, pooled over each bucket's and budget's last INPUTS speculative
-        steps that followed one of the same mode (0 until they vary; never below 0). Their
-        inputs vary with the prompts that arrive, so this is what a prompt costs a steady
-        run. A change of mode's catch-up is left out: at 32 streams on an H200 a big one
-        cost more a token (39 against 25 us, session 36), and in a bucket that mostly runs
-        plain decoding its few points decided the slope."""
-        sxy = sxx = 0.0
+    def input_cost(self, mode: int | None = None) -> float:
+        """Seconds of draft wait per token sent to the draft by ``mode`` (a budget's index;
+        None: any): the median slope of draft_s over draft_input_tokens between pairs of
+        steps of one bucket and budget (each one's last INPUTS speculative steps that
+        followed one of the same mode; a budget with fewer than MIN_SLOPES pairs whose
+        inputs differ takes every budget's; 0 until the inputs vary; never below 0).
+
+        Their inputs vary with the prompts that arrive, so this is what a prompt costs a
+        steady run. Per budget: at 32 streams on an H200 a new sequence's tokens cost the
+        8-node tree's draft 30-45 us each and the 3-token chain's 24 (session 36). A median
+        of pairwise slopes (Theil and Sen's), not a least-squares one: a few big catch-ups
+        weigh most in a least-squares slope, and there they cost more a token than steady
+        steps' inputs (39 against 25 us); in a bucket that mostly runs plain decoding they
+        decided it. A change of mode's catch-up is left out for the same reason."""
+        slopes = {m: [] for m in range(1, len(self.modes))}
         for bucket in self.buckets.values():
-            for points in bucket.inputs.values():
+            for m, points in bucket.inputs.items():
                 if len(points) < 3:
                     continue
-                mx = sum(x for x, _ in points) / len(points)
-                my = sum(y for _, y in points) / len(points)
-                sxy += sum((x - mx) * (y - my) for x, y in points)
-                sxx += sum((x - mx) ** 2 for x, _ in points)
-        return max(sxy / sxx, 0.0) if sxx > 0 else 0.0
+                xy = np.array(points, dtype=np.float64)
+                dx = xy[:, 0, None] - xy[None, :, 0]
+                dy = xy[:, 1, None] - xy[None, :, 1]
+                upper = np.triu(dx != 0, 1)
+                slopes[m].append(dy[upper] / dx[upper])
+        own = np.concatenate(slopes[mode]) if mode in slopes and slopes[mode] else []
+        if len(own) < MIN_SLOPES:
+            every = [part for parts in slopes.values() for part in parts]
+            own = np.concatenate(every) if every else []
+        return max(float(np.median(own)), 0.0) if len(own) else 0.0
 
-    def _catch_up(self, first: Sample | None) -> float:
+    def _catch_up(self, first: Sample | None, cost: float) -> float:
         """The draft wait a probe's first step spent on more input than a steady step sends
-        (at input_cost a token): what the change of mode cost beyond a step of the mode."""
+        (at ``cost`` a token): what the change of mode cost beyond a step of the mode."""
         if first is None:
             return 0.0
         excess = first.inputs - (1 + self.prompt_ratio) * first.committed
-        return min(max(excess * self.input_cost(), 0.0), first.draft)
+        return min(max(excess * cost, 0.0), first.draft)
 
     def _interval(self, bucket: _Bucket, mode: int) -> int:
         """Steps of the mode in use between probes of ``mode``."""
@@ -464,17 +478,17 @@ class AdaptivePolicy:
         gains = bucket.gains[mode] if mode else ()
         return sum(gains) / len(gains) if gains else 0.0
 
-    def _rate(self, bucket: _Bucket, mode: int, samples: list[Sample]) -> float:
+    def _rate(self, bucket: _Bucket, mode: int, samples: list[Sample], cost: float) -> float:
         """Tokens per second per sequence of ``mode``: step times from the samples, tokens
         per speculative step from that budget's last GAINS steps. A speculative step's time
         is restated for the draft input a steady run of the budget sends: each committed
         token, and a prompt with each new sequence (prompt_ratio of them per committed
-        token), at input_cost each. A step that sent more (a catch-up) costs less, one that
+        token), at ``cost`` a token (the budget's input_cost). A step that sent more (a catch-up) costs less, one that
         sent less (no prompt arrived in a short probe) more, but never less than its time
         outside the draft wait."""
         if not mode:
             return 1 / mean_period(samples)
-        cost, per_commit = self.input_cost(), 1 + self.prompt_ratio
+        per_commit = 1 + self.prompt_ratio
         periods = [max(s.period - cost * (s.inputs - per_commit * s.committed),
                        s.period - s.draft) for s in samples]
         return (1 + self._gain(bucket, mode)) * len(periods) / sum(periods)
@@ -487,8 +501,9 @@ class AdaptivePolicy:
         other = bucket.probing
         if len(bucket.probe) < 2 or not current:
             return  # the target applied the probe too late to measure it: no judgement
-        mine = self._rate(bucket, bucket.mode, current)
-        theirs = self._rate(bucket, other, bucket.probe)
+        costs = {m: self.input_cost(m) for m in {bucket.mode, other} if m}
+        mine = self._rate(bucket, bucket.mode, current, costs.get(bucket.mode, 0.0))
+        theirs = self._rate(bucket, other, bucket.probe, costs.get(other, 0.0))
         # What the probe cost, the catch-ups at its first step and at the first step back
         # included (a return to speculation brings the draft up to date on everything
         # since it last ran: 100-560 ms at 32 streams of an 8B target with an EAGLE-3
@@ -497,8 +512,9 @@ class AdaptivePolicy:
         # that they take the same share of the time whatever they cost; the second says
         # whether it is far behind, which spaces them further (a mode whose steady steps are
         # ahead never is: its probes cost a catch-up, but it would pay that only once).
-        spent = (sum(s.period for s in bucket.probe) + self._catch_up(bucket.first)
-                 + self._catch_up(bucket.back))
+        spent = (sum(s.period for s in bucket.probe)
+                 + self._catch_up(bucket.first, costs.get(other, 0.0))
+                 + self._catch_up(bucket.back, costs.get(bucket.mode, 0.0)))
         bucket.costs[other] = spent / len(bucket.probe) / mean_period(current)
         got = (1 + self._gain(bucket, other)) * len(bucket.probe) / spent
         bucket.ratios[other].append(theirs / mine)

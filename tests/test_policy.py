@@ -559,25 +559,56 @@ def test_adaptive_keeps_a_chain_that_pays_for_what_it_sends_the_draft(token_cost
     assert chain >= 0.97 * always, (chain, always)
 
 
-def test_the_cost_of_a_draft_token_is_learnt_from_steady_steps():
-    """input_cost is the slope of draft_s over draft_input_tokens in steps that follow one of
-    the same mode: a catch-up after plain steps (here 2000 tokens in 0.1 s, dearer a token
-    than steady steps, as on the H200) is left out; steady steps whose inputs vary with the
-    prompts that arrive give 25 us a token."""
+def _inputs_policy(rounds: list[list[tuple[bool, int, float]]]) -> AdaptivePolicy:
+    """A policy (never probing) that observed each round's (speculated, draft_input_tokens,
+    draft_s) steps at batch 32, each prefilling a 64-token prompt alongside."""
     policy = AdaptivePolicy([CHAIN], first_probe=10**6)
-    chain_steady = [96, 160, 96, 224, 96, 96, 288, 96]
+    for steps in rounds:
+        for on, inputs, draft in steps:
+            policy.observe(target_pb2.StepStats(
+                batch_size=32, speculated=on, tree_budget=3 if on else 0,
+                period_s=0.008 + draft, total_s=0.008 + draft, committed_tokens=96 if on else 32,
+                draft_s=draft, draft_input_tokens=inputs, prefill_tokens=64))
+    return policy
 
-    def observe(on: bool, inputs: int, draft: float) -> None:
-        policy.observe(target_pb2.StepStats(
-            batch_size=32, speculated=on, tree_budget=3 if on else 0, period_s=0.008 + draft,
-            total_s=0.008 + draft, committed_tokens=96 if on else 32, draft_s=draft,
-            draft_input_tokens=inputs, prefill_tokens=64))
 
-    for _ in range(3):
-        for _ in range(4):
-            observe(False, 0, 0.0)  # (the policy's mode does not matter: it learns from all)
-        observe(True, 2000, 0.1)
-        for inputs in chain_steady:
-            observe(True, inputs, 0.0024 + 0.000025 * inputs)
+def test_the_cost_of_a_draft_token_is_learnt_from_steady_steps():
+    """input_cost is the median slope of draft_s over draft_input_tokens between steps that
+    follow one of the same mode: a catch-up after plain steps (2000 tokens in 0.1 s, dearer
+    a token than steady steps, as on the H200) is left out, so steady steps that all sent
+    96 tokens say nothing (0); steady steps whose inputs vary with the prompts that arrive
+    give 25 us a token, and one of them that stalled 50 ms (a pause of the draft) does not
+    move it."""
+    plain = [(False, 0, 0.0)] * 4
+    catch_up = [(True, 2000, 0.1)]
+    flat = _inputs_policy([plain + catch_up + [(True, 96, 0.005)] * 8] * 3)
+    assert flat.input_cost() == 0.0
+    varying = [96, 160, 96, 224, 96, 96, 288, 96]
+    steady = [(True, n, 0.0024 + 0.000025 * n) for n in varying]
+    stalled = [(True, 160, 0.0024 + 0.000025 * 160 + 0.05)]
+    policy = _inputs_policy([plain + catch_up + steady] * 3 + [plain + catch_up + stalled])
     assert policy.input_cost() == pytest.approx(0.000025)
-    assert policy.prompt_ratio == pytest.approx(64 * 39 / (32 * 12 + 96 * 27))
+    assert policy.prompt_ratio == pytest.approx(64 * 45 / (32 * 16 + 96 * 29))
+
+
+def test_each_budget_learns_its_own_cost_of_a_draft_token():
+    """The tree's draft spends more on a new sequence's tokens than the chain's (30-45 against
+    24 us at 32 streams on the H200): each budget's input_cost is its own once its steps give
+    MIN_SLOPES pairs, until then every budget's."""
+    from gateway.policy import MIN_SLOPES
+
+    policy = AdaptivePolicy([DEFAULT, CHAIN], first_probe=10**6)
+
+    def observe(budget: int, inputs: list[int], per_token: float) -> None:
+        for n in inputs:
+            policy.observe(target_pb2.StepStats(
+                batch_size=32, speculated=True, tree_budget=budget, period_s=0.02,
+                total_s=0.02, committed_tokens=96, draft_s=0.002 + per_token * n,
+                draft_input_tokens=n))
+
+    observe(8, [96, 128, 160, 192, 224, 256, 288, 320], 0.00004)
+    observe(3, [96, 160, 224, 288], 0.00002)  # 4 steps (the first a change of mode): 3 pairs
+    assert policy.input_cost(2) == policy.input_cost() and MIN_SLOPES > 3
+    observe(3, [96, 128, 160, 192, 224, 256, 288, 320], 0.00002)
+    assert policy.input_cost(1) == pytest.approx(0.00004)
+    assert policy.input_cost(2) == pytest.approx(0.00002)
