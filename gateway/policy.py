@@ -135,6 +135,7 @@ PAIRS = 4    # probes whose paired ratios the adaptive policy averages
 GAINS = 128  # speculative steps whose committed tokens give speculation's tokens per step
 INPUTS = 64  # speculative steps per bucket and budget whose draft inputs give their cost
 MIN_SLOPES = 20  # pairs of them below which a budget's cost a token is every budget's
+MIN_APART = 8  # tokens: the least difference of inputs between two steps whose slope counts
 PROMPTS = 1024  # steps whose prompts and commits give the prompt tokens per committed token
 
 
@@ -403,8 +404,12 @@ class AdaptivePolicy:
         """Seconds of draft wait per token sent to the draft by ``mode`` (a budget's index;
         None: any): the median slope of draft_s over draft_input_tokens between pairs of
         steps of one bucket and budget (each one's last INPUTS speculative steps that
-        followed one of the same mode; a budget with fewer than MIN_SLOPES pairs whose
-        inputs differ takes every budget's; 0 until the inputs vary; never below 0).
+        followed one of the same mode; pairs whose inputs differ by at least half the median,
+        and MIN_APART; a budget with fewer than MIN_SLOPES such pairs takes every budget's;
+        0 until there are some; never below 0). Pairs closer than that say little: at one
+        stream a step sends 1-5 tokens, and the draft's noise over a difference of one
+        token made the median slope anything; a new prompt's tokens, against those steps,
+        say what a prompt costs.
 
         Their inputs vary with the prompts that arrive, so this is what a prompt costs a
         steady run. Per budget: at 32 streams on an H200 a new sequence's tokens cost the
@@ -421,7 +426,8 @@ class AdaptivePolicy:
                 xy = np.array(points, dtype=np.float64)
                 dx = xy[:, 0, None] - xy[None, :, 0]
                 dy = xy[:, 1, None] - xy[None, :, 1]
-                upper = np.triu(dx != 0, 1)
+                apart = max(MIN_APART, np.median(xy[:, 0]) / 2)
+                upper = np.triu(np.abs(dx) >= apart, 1)
                 slopes[m].append(dy[upper] / dx[upper])
         own = np.concatenate(slopes[mode]) if mode in slopes and slopes[mode] else []
         if len(own) < MIN_SLOPES:
