@@ -281,11 +281,11 @@ class AdaptivePolicy:
     0.81 of it, and the policy kept returning to it (adaptive 0.87 of off). Each
     speculative step's time is therefore restated for the input a steady run sends
     (:meth:`_rate`): the committed tokens and ``prompt_ratio`` prompt tokens per committed
-    token, at :meth:`input_cost` per token, the slope of the target's draft wait over the
-    tokens it sent (``draft_input_tokens``); and a probe's cost, which spaces its probes and
-    says whether it is far behind, includes the catch-ups at its first step and at the
-    first step back. A target that does not report draft_input_tokens leaves both as they
-    were.
+    token, at the budget's :meth:`input_cost` per token, a median slope of the target's
+    draft wait over the tokens it sent (``draft_input_tokens``); and a probe's cost, which
+    spaces its probes and says whether it is far behind, includes the catch-ups at its
+    first step and at the first step back. A target that does not report
+    draft_input_tokens leaves both as they were.
 
     A bucket that has not yet judged a probe of its own follows the nearest
     bucket that has (the best mode changes slowly with the batch size), and
@@ -411,8 +411,8 @@ class AdaptivePolicy:
         token made the median slope anything; a new prompt's tokens, against those steps,
         say what a prompt costs.
 
-        Their inputs vary with the prompts that arrive, so this is what a prompt costs a
-        steady run. Per budget: at 32 streams on an H200 a new sequence's tokens cost the
+        The steps' inputs vary with the prompts that arrive, so this is what a prompt costs
+        a steady run. Per budget: at 32 streams on an H200 a new sequence's tokens cost the
         8-node tree's draft 30-45 us each and the 3-token chain's 24 (session 36). A median
         of pairwise slopes (Theil and Sen's), not a least-squares one: a few big catch-ups
         weigh most in a least-squares slope, and there they cost more a token than steady
@@ -489,9 +489,9 @@ class AdaptivePolicy:
         per speculative step from that budget's last GAINS steps. A speculative step's time
         is restated for the draft input a steady run of the budget sends: each committed
         token, and a prompt with each new sequence (prompt_ratio of them per committed
-        token), at ``cost`` a token (the budget's input_cost). A step that sent more (a catch-up) costs less, one that
-        sent less (no prompt arrived in a short probe) more, but never less than its time
-        outside the draft wait."""
+        token), at ``cost`` a token (the budget's input_cost). A step that sent more (a
+        catch-up) costs less, one that sent less (no prompt arrived in a short probe) more,
+        but never less than its time outside the draft wait."""
         if not mode:
             return 1 / mean_period(samples)
         per_commit = 1 + self.prompt_ratio
@@ -507,20 +507,21 @@ class AdaptivePolicy:
         other = bucket.probing
         if len(bucket.probe) < 2 or not current:
             return  # the target applied the probe too late to measure it: no judgement
-        costs = {m: self.input_cost(m) for m in {bucket.mode, other} if m}
-        mine = self._rate(bucket, bucket.mode, current, costs.get(bucket.mode, 0.0))
-        theirs = self._rate(bucket, other, bucket.probe, costs.get(other, 0.0))
+        per_token = {m: self.input_cost(m) for m in {bucket.mode, other} if m}
+        mine = self._rate(bucket, bucket.mode, current, per_token.get(bucket.mode, 0.0))
+        theirs = self._rate(bucket, other, bucket.probe, per_token.get(other, 0.0))
         # What the probe cost, the catch-ups at its first step and at the first step back
         # included (a return to speculation brings the draft up to date on everything
         # since it last ran: 100-560 ms at 32 streams of an 8B target with an EAGLE-3
-        # head's features, against 6 ms a plain step): its time against the same number of the mode in use's steps, and its
-        # tokens per second against theirs. The first spaces the probes of that mode, so
-        # that they take the same share of the time whatever they cost; the second says
-        # whether it is far behind, which spaces them further (a mode whose steady steps are
-        # ahead never is: its probes cost a catch-up, but it would pay that only once).
+        # head's features, against 6 ms a plain step): its time against the same number of
+        # the mode in use's steps, and its tokens per second against theirs. The first
+        # spaces the probes of that mode, so that they take the same share of the time
+        # whatever they cost; the second says whether it is far behind, which spaces them
+        # further (a mode whose steady steps are ahead never is: its probes cost a
+        # catch-up, but it would pay that only once).
         spent = (sum(s.period for s in bucket.probe)
-                 + self._catch_up(bucket.first, costs.get(other, 0.0))
-                 + self._catch_up(bucket.back, costs.get(bucket.mode, 0.0)))
+                 + self._catch_up(bucket.first, per_token.get(other, 0.0))
+                 + self._catch_up(bucket.back, per_token.get(bucket.mode, 0.0)))
         bucket.costs[other] = spent / len(bucket.probe) / mean_period(current)
         got = (1 + self._gain(bucket, other)) * len(bucket.probe) / spent
         bucket.ratios[other].append(theirs / mine)
