@@ -402,14 +402,16 @@ class AdaptivePolicy:
 
     def input_cost(self, mode: int | None = None) -> float:
         """Seconds of draft wait per token sent to the draft by ``mode`` (a budget's index;
-        None: any): the median slope of draft_s over draft_input_tokens between pairs of
-        steps of one bucket and budget (each one's last INPUTS speculative steps that
-        followed one of the same mode; pairs whose inputs differ by at least half the median,
-        and MIN_APART; a budget with fewer than MIN_SLOPES such pairs takes every budget's;
-        0 until there are some; never below 0). Pairs closer than that say little: at one
-        stream a step sends 1-5 tokens, and the draft's noise over a difference of one
-        token made the median slope anything; a new prompt's tokens, against those steps,
-        say what a prompt costs.
+        None: every budget's): the median slope of draft_s over draft_input_tokens between
+        pairs of steps of one bucket and budget (each one's last INPUTS speculative steps
+        that followed one of the same mode; pairs whose inputs differ by at least half the
+        median, and MIN_APART; never below 0). With fewer than MIN_SLOPES such pairs, 0: the
+        budget is judged as if its tokens cost nothing, as before this cost was counted,
+        and once it runs its steps say what they cost. (Another budget's cost in its place
+        kept a chain that paid out of use: the tree's steps come first, and its draft paid
+        more a token.) Pairs closer than that say little: at one stream a step sends 1-5
+        tokens, and the draft's noise over a difference of one token made the median slope
+        anything; a new prompt's tokens, against those steps, say what a prompt costs.
 
         The steps' inputs vary with the prompts that arrive, so this is what a prompt costs
         a steady run. Per budget: at 32 streams on an H200 a new sequence's tokens cost the
@@ -429,11 +431,12 @@ class AdaptivePolicy:
                 apart = max(MIN_APART, np.median(xy[:, 0]) / 2)
                 upper = np.triu(np.abs(dx) >= apart, 1)
                 slopes[m].append(dy[upper] / dx[upper])
-        own = np.concatenate(slopes[mode]) if mode in slopes and slopes[mode] else []
-        if len(own) < MIN_SLOPES:
-            every = [part for parts in slopes.values() for part in parts]
-            own = np.concatenate(every) if every else []
-        return max(float(np.median(own)), 0.0) if len(own) else 0.0
+        if mode is None:
+            parts = [part for parts in slopes.values() for part in parts]
+        else:
+            parts = slopes.get(mode, [])
+        own = np.concatenate(parts) if parts else np.empty(0)
+        return max(float(np.median(own)), 0.0) if len(own) >= MIN_SLOPES else 0.0
 
     def _catch_up(self, first: Sample | None, cost: float) -> float:
         """The draft wait a probe's first step spent on more input than a steady step sends
