@@ -431,12 +431,10 @@ class AdaptivePolicy:
                 apart = max(MIN_APART, np.median(xy[:, 0]) / 2)
                 upper = np.triu(np.abs(dx) >= apart, 1)
                 slopes[m].append(dy[upper] / dx[upper])
-        if mode is None:
-            parts = [part for parts in slopes.values() for part in parts]
-        else:
-            parts = slopes.get(mode, [])
-        own = np.concatenate(parts) if parts else np.empty(0)
-        return max(float(np.median(own)), 0.0) if len(own) >= MIN_SLOPES else 0.0
+        groups = ([g for of_mode in slopes.values() for g in of_mode] if mode is None
+                  else slopes.get(mode, []))
+        pooled = np.concatenate(groups) if groups else np.empty(0)
+        return max(float(np.median(pooled)), 0.0) if len(pooled) >= MIN_SLOPES else 0.0
 
     def _catch_up(self, first: Sample | None, cost: float) -> float:
         """The draft wait a probe's first step spent on more input than a steady step sends
