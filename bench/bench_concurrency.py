@@ -386,6 +386,8 @@ def markdown(report: dict[str, Any]) -> str:
     prompt_len = f" of {settings['prompt_len']} tokens" if settings["prompts"] == "heldout" else ""
     target = f"target model {settings['target_label']}, " if settings.get("target_label") else ""
     warm = [m for m in ("OFF", "ON", "chain", "adaptive") if m in modes]
+    flags = settings.get("target_flags")
+    target += f"target flags {' '.join(flags)}, " if flags else ""
     lines = [
         f"{machine['label']}; torch {machine['torch']}, {machine['device']}; {report['date']}. "
         f"{target}{settings['draft']} draft, {settings['shape_name']} shape "
@@ -666,6 +668,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--feature-memory-mb", type=int,
                         help="with --start: the target's --feature-memory-mb (default: the "
                              "target's; 0 sends a head's features on the draft stream)")
+    parser.add_argument("--target-flag", action="append", default=[],
+                        help="with --start: one more flag for the target (repeatable; e.g. "
+                             "--target-flag=--early-exchange); recorded with the results")
     parser.add_argument("--target-model", type=Path,
                         help="with --start: the target checkpoint folder (default: --models' "
                              "target/); its tokenizer encodes the prompts")
@@ -741,10 +746,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.random_8b and args.target_model:
         parser.error("--random-8b and --target-model both name the target: pass one")
     if not args.start and (replay or args.random_8b or args.target_model or args.max_context
-                           or args.feature_memory_mb is not None):
-        parser.error("--draft-kind replay, --random-8b, --target-model, --max-context and "
-                     "--feature-memory-mb start services: they need --start (against a running "
-                     "stack the report takes the draft's name from the target)")
+                           or args.feature_memory_mb is not None or args.target_flag):
+        parser.error("--draft-kind replay, --random-8b, --target-model, --max-context, "
+                     "--feature-memory-mb and --target-flag start services: they need --start "
+                     "(against a running stack the report takes the draft's name from the "
+                     "target)")
     if args.replay_features and not replay:
         parser.error("--replay-features is for --draft-kind replay")
     if not 0 <= args.replay_corrupt_rate <= 1:  # NaN fails too
@@ -767,7 +773,8 @@ def main(argv: list[str] | None = None) -> int:
                      "random_weights": args.random_8b, "max_context": args.max_context or None,
                      "replay_corrupt_rate": args.replay_corrupt_rate if replay else None,
                      "replay_features": args.replay_features and replay,
-                     "feature_memory_mb": args.feature_memory_mb},
+                     "feature_memory_mb": args.feature_memory_mb,
+                     "target_flags": args.target_flag},
         "results": [], "complete": False}
     procs: list[subprocess.Popen] = []
     draft: draft_pb2_grpc.DraftStub | None = None
@@ -807,7 +814,7 @@ def main(argv: list[str] | None = None) -> int:
                                              draft_port=draft_port, extra_args=context,
                                              target_args=["--graph-tree-sizes",
                                                           graph_tree_sizes(args.shape),
-                                                          *memory])
+                                                          *memory, *args.target_flag])
             report["settings"]["target"] = args.target
             if draft_port is not None:
                 draft_channel = grpc.insecure_channel(f"127.0.0.1:{draft_port}",

@@ -129,7 +129,8 @@ def test_table_of_a_replay_run_without_static_labels_draft_target_and_acceptance
     report = json.loads(json.dumps(REPORT))
     report["settings"] |= {"modes": ["OFF", "ON", "adaptive"], "replay_corrupt_rate": 0.3,
                            "draft": "replay(records.jsonl, corrupt 0.30)",
-                           "target_label": "llama (Llama-3.1-8B shape, RANDOM bf16 weights)"}
+                           "target_label": "llama (Llama-3.1-8B shape, RANDOM bf16 weights)",
+                           "target_flags": ["--early-exchange"]}
     for e in report["results"]:
         del e["tokens_per_s"]["static"]
         e["accepted_per_verify_step"] = {"OFF": [0.0] * 3, "ON": [1.7, 1.8, 1.9],
@@ -137,8 +138,8 @@ def test_table_of_a_replay_run_without_static_labels_draft_target_and_acceptance
         e["draft_trees"] = {"OFF": [0] * 3, "ON": [100] * 3, "adaptive": [50] * 3}
         e["replay_misses"] = {"OFF": [0] * 3, "ON": [1, 0, 0], "adaptive": [0] * 3}
     lines = bc.markdown(report).splitlines()
-    assert "target model llama (Llama-3.1-8B shape, RANDOM bf16 weights), replay(records.jsonl, " \
-           "corrupt 0.30) draft" in lines[0]
+    assert "target model llama (Llama-3.1-8B shape, RANDOM bf16 weights), target flags " \
+           "--early-exchange, replay(records.jsonl, corrupt 0.30) draft" in lines[0]
     # 0.7 + 0.7^2 + 0.7^3 + 0.7^4 = 1.77 for the depth-4 tree.
     assert lines[0].endswith("ON accepted 1.80 draft tokens per verify step (median of all "
                              "runs, 1.70-1.90); 1.77 expected at corrupt 0.30; replay misses "
@@ -163,6 +164,7 @@ def test_expected_replay_acceptance_follows_the_main_path():
                                  "(got --device cpu)"),
     (["--start", "--random-8b", "--device", "cuda", "--target-model", "/x"], "pass one"),
     (["--draft-kind", "replay"], "need --start"),
+    (["--target-flag=--early-exchange"], "need --start"),
     (["--start", "--draft-kind", "replay", "--replay-corrupt-rate", "1.5"],
      "--replay-corrupt-rate must be in [0, 1]"),
 ])
