@@ -49,7 +49,9 @@ class TargetConfig:
     early_exchange: bool = option(False, "send each step's draft request at the end of the "
                                   "step before, so the exchange runs while that step's tokens "
                                   "are emitted (the same tokens either way; off: on 2 CPU "
-                                  "cores the overlap slowed the draft more than it saved, "
+                                  "cores the overlap slowed the draft more than it saved, and "
+                                  "on an H200 at 8-32 streams sending it early cost the "
+                                  "target's thread what it saved of the draft wait, "
                                   "docs/benchmarks.md)")
     drain_timeout_s: float = option(25.0, "on SIGTERM / SIGINT: seconds to let the requests in "
                                     "flight finish (health NOT_SERVING; new requests are "
