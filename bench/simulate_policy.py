@@ -40,6 +40,7 @@ import argparse
 import bisect
 import gzip
 import json
+import logging
 import random
 import statistics
 from collections import Counter, defaultdict
@@ -61,10 +62,7 @@ def load_runs(paths: list[Path]) -> dict[int, dict[int, list[list[target_pb2.Ste
     runs: dict[int, dict[int, list[list[target_pb2.StepStats]]]] = defaultdict(
         lambda: defaultdict(list))
     for path in paths:
-        text = (gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz"
-                else path.read_text())
-        for line in text.splitlines():
-            run = json.loads(line)
+        for run in _read_runs(path):
             if run["run"] < 0 or run["mode"] not in ("OFF", "ON", "chain"):
                 continue
             fields = run["fields"]
@@ -75,6 +73,43 @@ def load_runs(paths: list[Path]) -> dict[int, dict[int, list[list[target_pb2.Ste
                 raise ValueError(f"{path}: a {run['mode']} run used budgets {sorted(budgets)}")
             runs[run["concurrency"]][budgets.pop() if budgets else 0].append(steps)
     return runs
+
+
+def _read_runs(path: Path) -> list[dict[str, Any]]:
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], AdaptivePolicy]
+           ) -> list[str]:
+    """Feeds the adaptive runs at ``concurrency`` (its untimed run first, in the recorded
+    order) to one fresh policy, as ``bench_concurrency.py`` did, and returns each judgement
+    and switch the policy logged, a line each (prefixed with the run: -1 untimed). With the
+    policy the target ran, its decisions are the recorded run's; with another, the replay
+    follows the recorded steps only until its first different decision."""
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(f"run {run['run']}: {record.getMessage()}")
+
+    handler, logger = Collect(level=logging.DEBUG), logging.getLogger("gateway.policy")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        policy = make_policy()
+        for path in paths:
+            for run in _read_runs(path):
+                if run["mode"] != "adaptive" or run["concurrency"] != concurrency:
+                    continue
+                for row in run["steps"]:
+                    policy.observe(target_pb2.StepStats(**dict(zip(run["fields"], row,
+                                                                   strict=True))))
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return lines
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -238,9 +273,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=32,
                         help="steps of the centred mean that is a run's drift")
     parser.add_argument("--concurrency", type=int, nargs="*", help="default: all in the traces")
+    parser.add_argument("--replay", action="store_true",
+                        help="instead: feed the recorded adaptive runs, step by step, to a fresh "
+                             "policy per concurrency (as the benchmark did) and print each "
+                             "judgement and switch; with the policy the target ran, its "
+                             "decisions are the recorded ones")
+    parser.add_argument("--unknown-cost-us", type=float, default=0.0,
+                        help="the policy's unknown_cost: microseconds of draft wait a token "
+                             "sent, for a budget whose own cost is not known yet (default 0)")
     args = parser.parse_args(argv)
     if args.steps <= args.settle or min(args.seeds, args.window) < 1:
         parser.error("--steps must exceed --settle, and --seeds and --window be >= 1")
+    if args.unknown_cost_us < 0:
+        parser.error(f"--unknown-cost-us must be >= 0, got {args.unknown_cost_us}")
+    if args.replay:
+        found = sorted({run["concurrency"] for path in args.traces for run in _read_runs(path)
+                        if run["mode"] == "adaptive"})
+        for concurrency in args.concurrency or found:
+            if concurrency not in found:
+                parser.error(f"concurrency {concurrency}: the traces have no adaptive run")
+            print(f"concurrency {concurrency}:")
+            for line in replay(args.traces, concurrency, lambda: AdaptivePolicy(
+                    adaptive_shapes("", TREE), unknown_cost=args.unknown_cost_us * 1e-6)):
+                print(f"  {line}")
+        return 0
     runs = load_runs(args.traces)
     for concurrency in args.concurrency or sorted(runs):
         budgets = runs[concurrency]

@@ -298,7 +298,7 @@ class AdaptivePolicy:
     def __init__(self, shapes: Sequence[common_pb2.DraftShape], margin: float = 0.02,
                  min_samples: int = 8, probe_every: int = 100, probe_steps: int = 8,
                  clear: float = 0.2, max_doublings: int = 4, first_probe: int = 16,
-                 sudden: float = 0.4, min_gains: int = 64) -> None:
+                 sudden: float = 0.4, min_gains: int = 64, unknown_cost: float = 0.0) -> None:
         nodes = [shape.num_draft_tokens for shape in shapes]
         if not shapes or 0 in nodes or len(set(nodes)) != len(nodes):
             raise ValueError(f"AdaptivePolicy needs budgets of different, non-zero node "
@@ -310,6 +310,7 @@ class AdaptivePolicy:
         self.clear, self.max_doublings, self.sudden = clear, max_doublings, sudden
         self.min_samples, self.probe_every, self.probe_steps = min_samples, probe_every, probe_steps
         self.min_gains = min_gains
+        self.unknown_cost = unknown_cost  # a budget's input_cost before its own is known
         self.buckets = {b: _Bucket() for b in BUCKETS}
         self._prompts: deque[tuple[int, int]] = deque(maxlen=PROMPTS)  # (prompt, committed)
         self._prompt_sums = [0, 0]
@@ -405,9 +406,9 @@ class AdaptivePolicy:
         None: every budget's): the median slope of draft_s over draft_input_tokens between
         pairs of steps of one bucket and budget (each one's last INPUTS speculative steps
         that followed one of the same mode; pairs whose inputs differ by at least half the
-        median, and MIN_APART; never below 0). With fewer than MIN_SLOPES such pairs, 0: the
-        budget is judged as if its tokens cost nothing, as before this cost was counted,
-        and once it runs its steps say what they cost. (Another budget's cost in its place
+        median, and MIN_APART; never below 0). With fewer than MIN_SLOPES such pairs,
+        ``unknown_cost`` (default 0): the budget is judged as if its tokens cost nothing, as
+        before this cost was counted, and once it runs its steps say what they cost. (Another budget's cost in its place
         kept a chain that paid out of use: the tree's steps come first, and its draft paid
         more a token.) Pairs closer than that say little: at one stream a step sends 1-5
         tokens, and the draft's noise over a difference of one token made the median slope
@@ -434,7 +435,9 @@ class AdaptivePolicy:
         groups = ([g for of_mode in slopes.values() for g in of_mode] if mode is None
                   else slopes.get(mode, []))
         pooled = np.concatenate(groups) if groups else np.empty(0)
-        return max(float(np.median(pooled)), 0.0) if len(pooled) >= MIN_SLOPES else 0.0
+        if len(pooled) < MIN_SLOPES:
+            return self.unknown_cost
+        return max(float(np.median(pooled)), 0.0)
 
     def _catch_up(self, first: Sample | None, cost: float) -> float:
         """The draft wait a probe's first step spent on more input than a steady step sends
@@ -531,6 +534,14 @@ class AdaptivePolicy:
         bucket.streaks[other] = bucket.streaks[other] + 1 if clear else 0
         bucket.reference = mine
         mean = _geometric_mean(bucket.ratios[other])
+        if log.isEnabledFor(logging.DEBUG):
+            costs = ", ".join(f"{describe_mode(self.modes[m])} {c * 1e6:.1f} us"
+                              for m, c in sorted(per_token.items()))
+            log.debug("batch <= %d: a probe of %s judged at %.3f of %s (%.1f vs %.1f tok/s "
+                      "per sequence; cost a token sent: %s; %.2f prompt tokens per committed "
+                      "one)", size, describe_mode(self.modes[other]), theirs / mine,
+                      describe_mode(self.modes[bucket.mode]), theirs, mine, costs or "none",
+                      self.prompt_ratio)
         # a speculative mode in use is left only once its tokens per step are known
         known = self._gains_known(bucket, 0)
         favoured = mean > 1 + self.margin

@@ -159,3 +159,34 @@ def test_each_step_runs_the_budget_the_policy_gives_its_own_batch_size():
     sp.simulate(machine, lambda batch: shape_for(policy, batch, sp.TREE).num_draft_tokens,
                 seen.append, concurrency=2, steps=600, settle=0, seed=3)
     assert {(s.batch_size, s.speculated) for s in seen} == {(1, False), (2, False), (0, False)}
+
+
+SESSION38_64 = (Path(__file__).resolve().parent.parent / "bench" / "results"
+                / "steps_8b_replay_h200_session38_features_memory.jsonl.gz")
+
+
+def test_a_replay_of_recorded_adaptive_runs_makes_the_live_policys_decisions():
+    """64 streams with a head's features on the H200 (session 38): the live policy switched
+    to the chain at its first probe, judged at 1.15 of off with no cost a token of its own
+    yet, and back to off 3.5 s later. Fed the same steps, a fresh policy logs the same
+    judgements; judged at the 20 us a token its steady steps then cost, the same probe comes
+    out behind off and the bucket stays off."""
+    live = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE)))
+    assert any(line.startswith("run -1: batch <= 64: speculation off, was 8/4/4 (121.9 vs "
+                               "83.3") for line in live), live
+    assert "run 0: batch <= 64: speculation 3/1/3, was off (189.2 vs 163.9" in "\n".join(live)
+    costed = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE),
+                                                                  unknown_cost=0.00002))
+    first = next(line for line in costed if "a probe of 3/1/3" in line)
+    assert first.startswith("run 0: batch <= 64: a probe of 3/1/3 judged at 0.8"), first
+    assert not any("speculation 3/1/3, was off" in line for line in costed), costed
+
+
+def test_replay_prints_judgements_and_refuses_a_concurrency_without_adaptive_runs(capsys):
+    assert sp.main([str(SESSION38_64), "--replay", "--concurrency", "64"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("concurrency 64:\n  run -1: batch <= 64: a probe of off judged at 1.463")
+    with pytest.raises(SystemExit):
+        sp.main([str(SESSION38_64), "--replay", "--concurrency", "16"])
+    with pytest.raises(SystemExit):
+        sp.main([str(SESSION38_64), "--replay", "--unknown-cost-us", "-1"])
