@@ -196,6 +196,8 @@ class Engine:
         self._step = 0
         self._draft_compute_s = 0.0
         self._draft_input_tokens = 0
+        self._finished = [0, 0]  # prompt and generated tokens of the requests that ended
+        # since the last step's stats
         self._period_start: float | None = None  # end of the last step or of a wait for work
         self._step_traceparent = b""
         self._pending_releases: list[int] = []
@@ -481,7 +483,10 @@ class Engine:
             draft_compute_s=self._draft_compute_s, period_s=end - period_start,
             draft_input_tokens=self._draft_input_tokens,
             committed_tokens=committed, graphed=self.runner.last_graphed,
-            first_child_accepted=first_child_counts(decode, trees, result.accepted, kept))
+            first_child_accepted=first_child_counts(decode, trees, result.accepted, kept),
+            finished_prompt_tokens=self._finished[0],
+            finished_generated_tokens=self._finished[1])
+        self._finished = [0, 0]
         self._record_step(self.last_stats, span)
         span.end()
 
@@ -820,6 +825,8 @@ class Engine:
     def _finish(self, seq: Sequence) -> None:
         if self._by_request.pop((seq.stream_id, seq.request_id), None) is None:
             return
+        self._finished[0] += len(seq.prompt_ids)
+        self._finished[1] += len(seq.tokens) - len(seq.prompt_ids)
         self.scheduler.finish(seq)
         self.totals.merge(seq.spec)
         if seq.span is not None:

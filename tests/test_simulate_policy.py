@@ -29,7 +29,8 @@ def trace_line(mode: str, run: int, budget: int, period_s: float, committed: int
         row = {"step": i, "batch_size": 1, "prefill_tokens": 0, "speculated": budget > 0,
                "tree_budget": budget, "committed_tokens": committed, "period_s": period,
                "total_s": period, "draft_s": 0.0, "forward_s": period, "waiting": 0,
-               "draft_compute_s": 0.0, "draft_input_tokens": committed if budget else 0}
+               "draft_compute_s": 0.0, "draft_input_tokens": committed if budget else 0,
+               "finished_prompt_tokens": 0, "finished_generated_tokens": 0}
         rows.append([row[name] for name in TRACE_FIELDS] + [[]])
     return json.dumps({"concurrency": 1, "mode": mode, "run": run,
                        "fields": [*TRACE_FIELDS, "first_child_accepted"], "steps": rows})
