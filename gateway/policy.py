@@ -282,7 +282,8 @@ class AdaptivePolicy:
     speculative step's time is therefore restated for the input a steady run sends
     (:meth:`_rate`): the committed tokens and ``prompt_ratio`` prompt tokens per committed
     token, at the budget's :meth:`input_cost` per token, a median slope of the target's
-    draft wait over the tokens it sent (``draft_input_tokens``); and a probe's cost, which
+    draft wait over the tokens it sent (``draft_input_tokens``), or until that is known the
+    slope its probe's catch-up makes (:meth:`_judged_cost`); and a probe's cost, which
     spaces its probes and says whether it is far behind, includes the catch-ups at its
     first step and at the first step back. A target that does not report
     draft_input_tokens leaves both as they were.
@@ -312,8 +313,10 @@ class AdaptivePolicy:
         self.min_gains = min_gains
         self.unknown_cost = unknown_cost  # a budget's input_cost before its own is known
         self.buckets = {b: _Bucket() for b in BUCKETS}
-        self._prompts: deque[tuple[int, int]] = deque(maxlen=PROMPTS)  # (prompt, committed)
-        self._prompt_sums = [0, 0]
+        # per step: (prompt tokens prefilled, committed, finished requests' prompt tokens,
+        # and their generated tokens)
+        self._prompts: deque[tuple[int, int, int, int]] = deque(maxlen=PROMPTS)
+        self._prompt_sums = [0, 0, 0, 0]
         self._last_mode: int | None = None  # the last decode step's
         self._policy = self._build()
 
@@ -333,7 +336,8 @@ class AdaptivePolicy:
     def observe(self, stats: target_pb2.StepStats) -> target_pb2.SpecPolicy | None:
         """Learn from one decode step; returns the new policy when it changed."""
         mode = self._mode_of(stats)
-        self._count_prompts(stats.prefill_tokens, stats.committed_tokens)
+        self._count_prompts((stats.prefill_tokens, stats.committed_tokens,
+                             stats.finished_prompt_tokens, stats.finished_generated_tokens))
         if stats.batch_size == 0 or stats.period_s <= 0 or mode is None:
             return None  # prompts alone say nothing about decode speed
         size = bucket_of(stats.batch_size)
@@ -386,19 +390,27 @@ class AdaptivePolicy:
                 accepted = sum(stats.first_child_accepted[:length])
                 bucket.gains[m].append(accepted / stats.batch_size)
 
-    def _count_prompts(self, prompt: int, committed: int) -> None:
+    def _count_prompts(self, counts: tuple[int, int, int, int]) -> None:
         if len(self._prompts) == PROMPTS:
-            old_prompt, old_committed = self._prompts[0]
-            self._prompt_sums[0] -= old_prompt
-            self._prompt_sums[1] -= old_committed
-        self._prompts.append((prompt, committed))
-        self._prompt_sums[0] += prompt
-        self._prompt_sums[1] += committed
+            for i, old in enumerate(self._prompts[0]):
+                self._prompt_sums[i] -= old
+        self._prompts.append(counts)
+        for i, new in enumerate(counts):
+            self._prompt_sums[i] += new
 
     @property
     def prompt_ratio(self) -> float:
-        """Prompt tokens per committed token over the last PROMPTS steps (0 before any)."""
-        prompt, committed = self._prompt_sums
+        """Prompt tokens per committed token that a steady run prefills: over the last
+        PROMPTS steps, the requests that ended there, their prompt tokens over the tokens
+        they generated; before any ended (or from a target that does not report them), the
+        prompt tokens prefilled over the tokens committed (0 before any). The second counts
+        a wave of prompts before their requests generate a token: 1.75 against 1.33 at the
+        first probes of a benchmark whose streams start together, and judged at a chain's
+        true cost a token, a chain 7 % ahead of plain decoding then looked level with it
+        (tests/test_policy.py's catch_up_run)."""
+        prompt, committed, finished_prompt, finished_generated = self._prompt_sums
+        if finished_generated:
+            return finished_prompt / finished_generated
         return prompt / committed if committed else 0.0
 
     def input_cost(self, mode: int | None = None) -> float:
@@ -421,6 +433,13 @@ class AdaptivePolicy:
         weigh most in a least-squares slope, and there they cost more a token than steady
         steps' inputs (39 against 25 us); in a bucket that mostly runs plain decoding they
         decided it. A change of mode's catch-up is left out for the same reason."""
+        pooled = self._slopes(mode)
+        if len(pooled) < MIN_SLOPES:
+            return self.unknown_cost
+        return max(float(np.median(pooled)), 0.0)
+
+    def _slopes(self, mode: int | None) -> np.ndarray:
+        """The pairwise slopes input_cost takes the median of."""
         slopes = {m: [] for m in range(1, len(self.modes))}
         for bucket in self.buckets.values():
             for m, points in bucket.inputs.items():
@@ -434,10 +453,26 @@ class AdaptivePolicy:
                 slopes[m].append(dy[upper] / dx[upper])
         groups = ([g for of_mode in slopes.values() for g in of_mode] if mode is None
                   else slopes.get(mode, []))
-        pooled = np.concatenate(groups) if groups else np.empty(0)
-        if len(pooled) < MIN_SLOPES:
-            return self.unknown_cost
-        return max(float(np.median(pooled)), 0.0)
+        return np.concatenate(groups) if groups else np.empty(0)
+
+    def _judged_cost(self, mode: int, first: Sample | None, steps: list[Sample]) -> float:
+        """The cost a token sent at which a judgement restates ``mode``'s ``steps``: its
+        input_cost once known; until then the slope its first step after a change of mode
+        (``first``, a catch-up) makes against the median of those steps, where it sent at
+        least MIN_APART and half their median more; else ``unknown_cost``. Judged as if its
+        tokens cost nothing, a chain whose probe followed a catch-up of every sequence and saw
+        no new prompt came out at 1.15 and 1.04 of plain decoding with a head's features on
+        the H200 (64 streams through shared memory, 32 on the stream), and then ran at 0.73
+        and 0.68 of it for 3.5 s (docs/benchmarks.md, thirty-third part). Those catch-ups
+        cost it 17-23 and 150-178 us a token, its steady steps 19-20 and 81: a catch-up's
+        slope can overstate the cost, which its steady steps correct once it runs."""
+        if len(self._slopes(mode)) < MIN_SLOPES and first is not None and steps:
+            inputs = float(np.median([s.inputs for s in steps]))
+            extra = first.inputs - inputs
+            if extra >= max(MIN_APART, inputs / 2):
+                draft = float(np.median([s.draft for s in steps]))
+                return max((first.draft - draft) / extra, 0.0)
+        return self.input_cost(mode)
 
     def _catch_up(self, first: Sample | None, cost: float) -> float:
         """The draft wait a probe's first step spent on more input than a steady step sends
@@ -511,7 +546,9 @@ class AdaptivePolicy:
         other = bucket.probing
         if len(bucket.probe) < 2 or not current:
             return  # the target applied the probe too late to measure it: no judgement
-        per_token = {m: self.input_cost(m) for m in {bucket.mode, other} if m}
+        per_token = {m: self._judged_cost(m, first, steps) for m, first, steps in
+                     ((bucket.mode, bucket.back, current), (other, bucket.first, bucket.probe))
+                     if m}
         mine = self._rate(bucket, bucket.mode, current, per_token.get(bucket.mode, 0.0))
         theirs = self._rate(bucket, other, bucket.probe, per_token.get(other, 0.0))
         # What the probe cost, the catch-ups at its first step and at the first step back
