@@ -282,8 +282,7 @@ class AdaptivePolicy:
     speculative step's time is therefore restated for the input a steady run sends
     (:meth:`_rate`): the committed tokens and ``prompt_ratio`` prompt tokens per committed
     token, at the budget's :meth:`input_cost` per token, a median slope of the target's
-    draft wait over the tokens it sent (``draft_input_tokens``), or until that is known the
-    slope its probe's catch-up makes (:meth:`_judged_cost`); and a probe's cost, which
+    draft wait over the tokens it sent (``draft_input_tokens``); and a probe's cost, which
     spaces its probes and says whether it is far behind, includes the catch-ups at its
     first step and at the first step back. A target that does not report
     draft_input_tokens leaves both as they were.
@@ -405,9 +404,8 @@ class AdaptivePolicy:
         they generated; before any ended (or from a target that does not report them), the
         prompt tokens prefilled over the tokens committed (0 before any). The second counts
         a wave of prompts before their requests generate a token: 1.75 against 1.33 at the
-        first probes of a benchmark whose streams start together, and judged at a chain's
-        true cost a token, a chain 7 % ahead of plain decoding then looked level with it
-        (tests/test_policy.py's catch_up_run)."""
+        first probes of a benchmark whose streams start together, which overstates what a
+        steady speculative run sends the draft (docs/benchmarks.md, thirty-third part)."""
         prompt, committed, finished_prompt, finished_generated = self._prompt_sums
         if finished_generated:
             return finished_prompt / finished_generated
@@ -433,13 +431,6 @@ class AdaptivePolicy:
         weigh most in a least-squares slope, and there they cost more a token than steady
         steps' inputs (39 against 25 us); in a bucket that mostly runs plain decoding they
         decided it. A change of mode's catch-up is left out for the same reason."""
-        pooled = self._slopes(mode)
-        if len(pooled) < MIN_SLOPES:
-            return self.unknown_cost
-        return max(float(np.median(pooled)), 0.0)
-
-    def _slopes(self, mode: int | None) -> np.ndarray:
-        """The pairwise slopes input_cost takes the median of."""
         slopes = {m: [] for m in range(1, len(self.modes))}
         for bucket in self.buckets.values():
             for m, points in bucket.inputs.items():
@@ -453,26 +444,10 @@ class AdaptivePolicy:
                 slopes[m].append(dy[upper] / dx[upper])
         groups = ([g for of_mode in slopes.values() for g in of_mode] if mode is None
                   else slopes.get(mode, []))
-        return np.concatenate(groups) if groups else np.empty(0)
-
-    def _judged_cost(self, mode: int, first: Sample | None, steps: list[Sample]) -> float:
-        """The cost a token sent at which a judgement restates ``mode``'s ``steps``: its
-        input_cost once known; until then the slope its first step after a change of mode
-        (``first``, a catch-up) makes against the median of those steps, where it sent at
-        least MIN_APART and half their median more; else ``unknown_cost``. Judged as if its
-        tokens cost nothing, a chain whose probe followed a catch-up of every sequence and saw
-        no new prompt came out at 1.15 and 1.04 of plain decoding with a head's features on
-        the H200 (64 streams through shared memory, 32 on the stream), and then ran at 0.73
-        and 0.68 of it for 3.5 s (docs/benchmarks.md, thirty-third part). Those catch-ups
-        cost it 17-23 and 150-178 us a token, its steady steps 19-20 and 81: a catch-up's
-        slope can overstate the cost, which its steady steps correct once it runs."""
-        if len(self._slopes(mode)) < MIN_SLOPES and first is not None and steps:
-            inputs = float(np.median([s.inputs for s in steps]))
-            extra = first.inputs - inputs
-            if extra >= max(MIN_APART, inputs / 2):
-                draft = float(np.median([s.draft for s in steps]))
-                return max((first.draft - draft) / extra, 0.0)
-        return self.input_cost(mode)
+        pooled = np.concatenate(groups) if groups else np.empty(0)
+        if len(pooled) < MIN_SLOPES:
+            return self.unknown_cost
+        return max(float(np.median(pooled)), 0.0)
 
     def _catch_up(self, first: Sample | None, cost: float) -> float:
         """The draft wait a probe's first step spent on more input than a steady step sends
@@ -546,9 +521,7 @@ class AdaptivePolicy:
         other = bucket.probing
         if len(bucket.probe) < 2 or not current:
             return  # the target applied the probe too late to measure it: no judgement
-        per_token = {m: self._judged_cost(m, first, steps) for m, first, steps in
-                     ((bucket.mode, bucket.back, current), (other, bucket.first, bucket.probe))
-                     if m}
+        per_token = {m: self.input_cost(m) for m in {bucket.mode, other} if m}
         mine = self._rate(bucket, bucket.mode, current, per_token.get(bucket.mode, 0.0))
         theirs = self._rate(bucket, other, bucket.probe, per_token.get(other, 0.0))
         # What the probe cost, the catch-ups at its first step and at the first step back
