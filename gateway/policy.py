@@ -418,9 +418,11 @@ class AdaptivePolicy:
         that followed one of the same mode; pairs whose inputs differ by at least half the
         median, and MIN_APART; never below 0). With fewer than MIN_SLOPES such pairs,
         ``unknown_cost`` (default 0): the budget is judged as if its tokens cost nothing, as
-        before this cost was counted, and once it runs its steps say what they cost. (Another budget's cost in its place
-        kept a chain that paid out of use: the tree's steps come first, and its draft paid
-        more a token.) Pairs closer than that say little: at one stream a step sends 1-5
+        before this cost was counted, and once it runs its steps say what they cost.
+        (Another budget's cost in its place kept a chain that paid out of use: the tree's
+        steps come first, and its draft paid more a token. Its probe's catch-up in its
+        place overstated it twofold and kept a chain that paid out of use on the H200:
+        docs/benchmarks.md, thirty-third part.) Pairs closer than that say little: at one stream a step sends 1-5
         tokens, and the draft's noise over a difference of one token made the median slope
         anything; a new prompt's tokens, against those steps, say what a prompt costs.
 
