@@ -83,3 +83,14 @@ def test_cached_flashinfer_kernels_are_linked_into_the_aot_folder_once(tmp_path)
                            timeout=30)  # a warm machine runs setup.sh again
     assert again.returncode == 0, again.stderr
     assert "linked from the carried cache: 0" in again.stdout
+
+
+def test_every_device_script_parses():
+    """bash -n on each bench/device/*.sh: a script that only runs on the GPU machine must not
+    fail there on its syntax (each call there costs device time)."""
+    scripts = sorted((REPO / "bench" / "device").glob("*.sh"))
+    assert any(s.name == "ab_concurrency.sh" for s in scripts)
+    for script in scripts:
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
+                                timeout=30)
+        assert result.returncode == 0, (script.name, result.stderr)
