@@ -84,14 +84,16 @@ def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], Adapti
            ) -> list[str]:
     """Feeds the adaptive runs at ``concurrency`` (its untimed run first, in the recorded
     order) to one fresh policy, as ``bench_concurrency.py`` did, and returns each judgement
-    and switch the policy logged, a line each (prefixed with the run: -1 untimed). With the
+    and switch the policy logged, a line each (prefixed with the run, -1 untimed, and the
+    step of that run the policy had just observed). With the
     policy the target ran, its decisions are the recorded run's; with another, the replay
     follows the recorded steps only until its first different decision."""
     lines: list[str] = []
+    where = {"step": 0}  # the step (of its run) the policy is observing
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            lines.append(f"run {run['run']}: {record.getMessage()}")
+            lines.append(f"run {run['run']} step {where['step']}: {record.getMessage()}")
 
     handler, logger = Collect(level=logging.DEBUG), logging.getLogger("gateway.policy")
     level = logger.level
@@ -103,7 +105,7 @@ def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], Adapti
             for run in _read_runs(path):
                 if run["mode"] != "adaptive" or run["concurrency"] != concurrency:
                     continue
-                for row in run["steps"]:
+                for where["step"], row in enumerate(run["steps"]):
                     policy.observe(target_pb2.StepStats(**dict(zip(run["fields"], row,
                                                                    strict=True))))
     finally:

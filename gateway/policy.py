@@ -137,6 +137,7 @@ INPUTS = 64  # speculative steps per bucket and budget whose draft inputs give t
 MIN_SLOPES = 20  # pairs of them below which a budget's cost a token is every budget's
 MIN_APART = 8  # tokens: the least difference of inputs between two steps whose slope counts
 PROMPTS = 1024  # steps whose prompts and commits give the prompt tokens per committed token
+PREFILLS = 128  # steps per bucket and mode whose prompt tokens give what a prompt token costs
 
 
 def bucket_of(batch_size: int) -> int:
@@ -151,6 +152,8 @@ class Sample(NamedTuple):
     inputs: int = 0   # draft_input_tokens
     committed: int = 0  # committed_tokens
     draft: float = 0.0  # draft_s
+    prefill: int = 0  # prefill_tokens
+    follows: bool = True  # the decode step before it ran the same mode
 
 
 def rate(samples: list[Sample]) -> float:
@@ -178,6 +181,8 @@ class _Bucket:
     batches: defaultdict = field(default_factory=lambda: _deques(WINDOW))  # batch sizes per mode
     inputs: defaultdict = field(default_factory=lambda: _deques(INPUTS))  # per speculative
     # mode: (draft_input_tokens, draft_s) of its steps after one of the same mode
+    prefills: defaultdict = field(default_factory=lambda: _deques(PREFILLS))  # per mode, off
+    # too: (prefill_tokens, period_s - draft_s) of its steps after one of the same mode
     mode: int = 1             # the mode in use (until decided: the nearest decided bucket's)
     decided: bool = False     # judged at least one probe of its own
     probing: int = 0          # the mode of the current or last probe
@@ -199,6 +204,8 @@ class _Bucket:
     reference: float = 0.0    # the mode in use's rate when the last probe was judged
     held: int | None = None   # a mode the last judgement of it favoured, not switched to only
     # because the mode in use's tokens per step were not yet known
+    recheck: int | None = None  # the mode left for one whose cost a draft token was not yet
+    # known: probed again as soon as it is
     fresh: bool = False       # the probe's next step is its first (left out)
     settling: bool = False    # the mode in use's next step is its first after a probe (left out)
 
@@ -239,7 +246,9 @@ class AdaptivePolicy:
     prefill prompts count: a prompt's cost depends on the mode (added to a
     decode step that reading the weights bounds it is nearly free; added to a
     verify step bound by its GEMMs it costs its full compute; on an H200 at 32
-    streams 1.4 ms against 8 ms). Invariant: a bucket switches only when a
+    streams 1.4 ms against 8 ms), so each mode's cost a prompt token is learnt
+    from its own steps, and every step is restated for the prompts a steady run
+    prefills (:meth:`_rate`). Invariant: a bucket switches only when a
     probe is judged and the (geometric) mean of that mode's last PAIRS ratios
     favours it by more than ``margin`` (relative), so per-step noise does not
     make it flap. The margin is 2 %: a bucket can stay in a mode up to a
@@ -346,7 +355,7 @@ class AdaptivePolicy:
         # tokens committed, not accepted ones that max_new_tokens then dropped.
         gain = max(stats.committed_tokens / stats.batch_size - 1, 0.0) if mode else 0.0
         sample = Sample(stats.period_s, gain, stats.draft_input_tokens, stats.committed_tokens,
-                        stats.draft_s)
+                        stats.draft_s, stats.prefill_tokens, mode == self._last_mode)
         counted = False
         if mode == bucket.mode:
             if bucket.settling:  # the first step back after a probe (its catch-up counts in
@@ -363,8 +372,10 @@ class AdaptivePolicy:
                 counted = True
         if counted and mode:
             bucket.gains[mode].append(gain)
-        if mode and mode == self._last_mode:  # (not a change of mode: see input_cost)
-            bucket.inputs[mode].append((stats.draft_input_tokens, stats.draft_s))
+        if mode == self._last_mode:  # (not a change of mode: see input_cost)
+            if mode:
+                bucket.inputs[mode].append((stats.draft_input_tokens, stats.draft_s))
+            bucket.prefills[mode].append((stats.prefill_tokens, stats.period_s - stats.draft_s))
         self._last_mode = mode
         if mode and stats.first_child_accepted:
             self._chain_gains(bucket, mode, stats)
@@ -433,9 +444,39 @@ class AdaptivePolicy:
         weigh most in a least-squares slope, and there they cost more a token than steady
         steps' inputs (39 against 25 us); in a bucket that mostly runs plain decoding they
         decided it. A change of mode's catch-up is left out for the same reason."""
-        slopes = {m: [] for m in range(1, len(self.modes))}
+        slopes = self._slopes("inputs")
+        pooled = slopes[None] if mode is None else slopes.get(mode, _NONE)
+        if len(pooled) < MIN_SLOPES:
+            return self.unknown_cost
+        return max(float(np.median(pooled)), 0.0)
+
+    def cost_known(self, mode: int) -> bool:
+        """Whether ``mode``'s :meth:`input_cost` is its own (not ``unknown_cost``)."""
+        return len(self._slopes("inputs").get(mode, _NONE)) >= MIN_SLOPES
+
+    def prefill_cost(self, mode: int) -> float:
+        """Seconds of a step of ``mode`` (0: off) per prompt token it prefilled, the draft
+        wait left out: the median slope of period_s - draft_s over prefill_tokens between
+        pairs of its steps, as :meth:`input_cost` takes its slope; with too few pairs of
+        its own, every mode's pairs; with too few of those, 0 (the steps are judged as they
+        ran, as before this cost was counted). A prompt costs a verify step more than a
+        plain one (at 64 streams of the 8B shape on an H200: 20 us a token off, 23 with the
+        chain, 29 with the 8-node tree), but far less than nothing."""
+        slopes = self._slopes("prefills")
+        own = slopes.get(mode, _NONE)
+        pooled = own if len(own) >= MIN_SLOPES else slopes[None]
+        if len(pooled) < MIN_SLOPES:
+            return 0.0
+        return max(float(np.median(pooled)), 0.0)
+
+    def _slopes(self, table: str) -> dict[int | None, np.ndarray]:
+        """The pairwise slopes of each bucket's ``table`` points (bucket.inputs or
+        bucket.prefills: per mode, (x, y) of its steps that followed one of the same mode),
+        per mode and (key None) all modes': pairs of one bucket and mode whose x differ by
+        at least half their median and MIN_APART."""
+        slopes: dict[int | None, list[np.ndarray]] = defaultdict(list)
         for bucket in self.buckets.values():
-            for m, points in bucket.inputs.items():
+            for m, points in getattr(bucket, table).items():
                 if len(points) < 3:
                     continue
                 xy = np.array(points, dtype=np.float64)
@@ -444,12 +485,9 @@ class AdaptivePolicy:
                 apart = max(MIN_APART, np.median(xy[:, 0]) / 2)
                 upper = np.triu(np.abs(dx) >= apart, 1)
                 slopes[m].append(dy[upper] / dx[upper])
-        groups = ([g for of_mode in slopes.values() for g in of_mode] if mode is None
-                  else slopes.get(mode, []))
-        pooled = np.concatenate(groups) if groups else np.empty(0)
-        if len(pooled) < MIN_SLOPES:
-            return self.unknown_cost
-        return max(float(np.median(pooled)), 0.0)
+        every = [group for groups in slopes.values() for group in groups]
+        return {m: np.concatenate(groups) for m, groups in slopes.items()} | {
+            None: np.concatenate(every) if every else _NONE}
 
     def _catch_up(self, first: Sample | None, cost: float) -> float:
         """The draft wait a probe's first step spent on more input than a steady step sends
@@ -486,6 +524,8 @@ class AdaptivePolicy:
         due = {m: bucket.since[m] / self._interval(bucket, m) for m in others}
         if bucket.held is not None and self._gains_known(bucket, self.probe_steps):
             due[bucket.held] = max(due[bucket.held], 1.0)  # judged once its gains are known
+        if bucket.recheck is not None and self.cost_known(bucket.mode):
+            due[bucket.recheck] = max(due[bucket.recheck], 1.0)
         chosen = max(due, key=due.__getitem__)  # the most overdue (on a tie, the smaller)
         sudden = (bool(bucket.reference) and len(bucket.window) == WINDOW
                   and rate(list(bucket.window)) < bucket.reference * (1 - self.sudden))
@@ -493,6 +533,8 @@ class AdaptivePolicy:
             bucket.probing, bucket.probe_left, bucket.probe = chosen, self.probe_steps, []
             bucket.first = bucket.back = None
             bucket.since[chosen] = 0
+            if chosen == bucket.recheck:
+                bucket.recheck = None
             bucket.before = list(bucket.window)[-self.probe_steps:]
             bucket.fresh = True
 
@@ -502,17 +544,31 @@ class AdaptivePolicy:
 
     def _rate(self, bucket: _Bucket, mode: int, samples: list[Sample], cost: float) -> float:
         """Tokens per second per sequence of ``mode``: step times from the samples, tokens
-        per speculative step from that budget's last GAINS steps. A speculative step's time
-        is restated for the draft input a steady run of the budget sends: each committed
-        token, and a prompt with each new sequence (prompt_ratio of them per committed
-        token), at ``cost`` a token (the budget's input_cost). A step that sent more (a
+        per speculative step from that budget's last GAINS steps. Each step's time is
+        restated for the prompts a steady run prefills (prompt_ratio prompt tokens per
+        committed token) at the mode's :meth:`prefill_cost` a token: prompts arrive when
+        requests end, and a probe of a few steps, or the steps around it, may see a wave of
+        them or none (at 64 streams on an H200 a chain's probes between two waves looked 3 %
+        ahead of off, whose steps around them had prefilled a wave; run steadily the chain
+        was 19 % behind). A speculative step's time is restated too for the draft input a
+        steady run of the budget sends: each committed token, and a prompt with each new
+        sequence, at ``cost`` a token (the budget's input_cost). A step that sent more (a
         catch-up) costs less, one that sent less (no prompt arrived in a short probe) more,
-        but never less than its time outside the draft wait."""
-        if not mode:
-            return 1 / mean_period(samples)
+        but never less than its time outside the draft wait. A step that followed one of
+        another mode (the batch had just crossed into this bucket from one in another mode)
+        keeps its catch-up: where the batch only passes through a bucket, each of its steps
+        follows another mode's, and a steady run there pays for that catch-up every time (at
+        64 streams on an H200, 40 ms each time the wave of a tree at 17-32 sequences began
+        among plain steps, against 35 ms for the whole step without speculation)."""
         per_commit = 1 + self.prompt_ratio
         periods = [max(s.period - cost * (s.inputs - per_commit * s.committed),
-                       s.period - s.draft) for s in samples]
+                       s.period - s.draft) if mode and s.follows else s.period
+                   for s in samples]
+        prefill = self.prefill_cost(mode)
+        steady = [max(t - prefill * s.prefill, 0.0) + prefill * self.prompt_ratio * s.committed
+                  for t, s in zip(periods, samples, strict=True)]
+        if sum(steady) > 0:
+            periods = steady
         return (1 + self._gain(bucket, mode)) * len(periods) / sum(periods)
 
     def _judge(self, bucket: _Bucket, size: int) -> None:
@@ -563,6 +619,7 @@ class AdaptivePolicy:
             bucket.held = None
         if favoured and known:
             was = bucket.mode
+            hinges = self._hinges_on_unknown_cost(bucket, other, mine)
             self._switch(bucket, other)
             new, old = describe_mode(self.modes[other]), describe_mode(self.modes[was])
             log.info("batch <= %d: speculation %s, was %s (%.1f vs %.1f tok/s per sequence in "
@@ -571,6 +628,26 @@ class AdaptivePolicy:
                      len(bucket.ratios[was]), _mean(bucket.batches[other]), new,
                      _mean(bucket.batches[was]), old)
             bucket.reference = theirs
+            if hinges:
+                # The switch was judged at unknown_cost, which is optimistic, and at the
+                # other budgets' cost it would not have been made: that ratio says little,
+                # and the mode left is judged again as soon as the new one's own cost is
+                # known (at 64 streams on an H200, 8 steps later; a chain switched to this
+                # way had run at 0.73 of off for 3.5 s before its next probe of off).
+                bucket.recheck = was
+                bucket.ratios[was].clear()
+
+    def _hinges_on_unknown_cost(self, bucket: _Bucket, mode: int, mine: float) -> bool:
+        """Whether a probe of ``mode`` judged favourable (against the mode in use's rate
+        ``mine``) had no cost a draft token of its own, and at the other budgets' would not
+        have been (with no budget's cost known, as from a target that does not report
+        draft_input_tokens: never)."""
+        if not mode or self.cost_known(mode) or len(self._slopes("inputs")[None]) < MIN_SLOPES:
+            return False
+        others = max(float(np.median(self._slopes("inputs")[None])), 0.0)
+        ratio = self._rate(bucket, mode, bucket.probe, others) / mine
+        ratios = [*list(bucket.ratios[mode])[:-1], ratio]
+        return _geometric_mean(deque(ratios)) <= 1 + self.margin
 
     def _gains_known(self, bucket: _Bucket, more_steps: int) -> bool:
         """Whether the mode in use's tokens per step come from ``min_gains`` sequence-steps
@@ -599,7 +676,7 @@ class AdaptivePolicy:
         bucket.streaks[old] = 0
         bucket.since.pop(new, None)
         bucket.since[old] = 0
-        bucket.mode, bucket.settling, bucket.held = new, True, None
+        bucket.mode, bucket.settling, bucket.held, bucket.recheck = new, True, None, None
 
     def _follow_neighbours(self) -> None:
         """Undecided buckets take the mode of the nearest decided one (the smaller on a tie);
@@ -623,6 +700,9 @@ class AdaptivePolicy:
             else:
                 entries.append(target_pb2.SpecPolicy.Entry(max_batch_size=size, shape=shape))
         return target_pb2.SpecPolicy(entries=entries)
+
+
+_NONE = np.empty(0)
 
 
 def _geometric_mean(ratios: deque) -> float:

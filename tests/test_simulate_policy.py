@@ -162,31 +162,75 @@ def test_each_step_runs_the_budget_the_policy_gives_its_own_batch_size():
     assert {(s.batch_size, s.speculated) for s in seen} == {(1, False), (2, False), (0, False)}
 
 
-SESSION38_64 = (Path(__file__).resolve().parent.parent / "bench" / "results"
-                / "steps_8b_replay_h200_session38_features_memory.jsonl.gz")
+RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
+SESSION38_64 = RESULTS / "steps_8b_replay_h200_session38_features_memory.jsonl.gz"
+SESSION38_NO_FEATURES = RESULTS / "steps_8b_replay_h200_session38_nofeatures.jsonl.gz"
 
 
 def test_a_replay_of_recorded_adaptive_runs_makes_the_live_policys_decisions():
-    """64 streams with a head's features on the H200 (session 38): the live policy switched
-    to the chain at its first probe, judged at 1.15 of off with no cost a token of its own
-    yet, and back to off 3.5 s later. Fed the same steps, a fresh policy logs the same
-    judgements; judged at the 20 us a token its steady steps then cost, the same probe comes
-    out behind off and the bucket stays off."""
+    """64 streams with a head's features on the H200 (session 38): the live policy turned
+    the 8-node tree off in its untimed run, then switched to the chain at its first probe,
+    judged at 1.15 of off with no cost a token of its own yet, and back to off 3.5 s later.
+    Fed the same steps, a fresh policy (of this code: its ratios differ, the prompts'
+    prefill restated) makes the same two switches at the same steps; with the chain's cost
+    known, it judges off at 1.36 of the chain and switches back. Judged at the 20 us a
+    token the chain's steady steps then cost, its first probe comes out behind off and the
+    bucket stays off. The 8-node tree's probe at 17-32 sequences, whose steps each began a
+    wave of prompts among plain steps and caught the draft up, counts those catch-ups: far
+    behind off."""
     live = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE)))
-    assert any(line.startswith("run -1: batch <= 64: speculation off, was 8/4/4 (121.9 vs "
-                               "83.3") for line in live), live
-    assert "run 0: batch <= 64: speculation 3/1/3, was off (189.2 vs 163.9" in "\n".join(live)
+    switches = [line.split(" (")[0] for line in live if "speculation" in line]
+    assert switches == ["run -1 step 33: batch <= 64: speculation off, was 8/4/4",
+                        "run 0 step 17: batch <= 64: speculation 3/1/3, was off",
+                        "run 0 step 172: batch <= 64: speculation off, was 3/1/3"], live
+    assert "run 0 step 172: batch <= 64: a probe of off judged at 1.3" in "\n".join(live)
+    tree = next(line for line in live if "batch <= 32: a probe of 8/4/4" in line)
+    assert float(tree.split("judged at ")[1].split()[0]) < 0.6, tree
     costed = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE),
                                                                   unknown_cost=0.00002))
     first = next(line for line in costed if "a probe of 3/1/3" in line)
-    assert first.startswith("run 0: batch <= 64: a probe of 3/1/3 judged at 0.8"), first
+    assert first.startswith("run 0 step 17: batch <= 64: a probe of 3/1/3 judged at 0.9"), first
     assert not any("speculation 3/1/3, was off" in line for line in costed), costed
+
+
+def adaptive_steps(path: Path, concurrency: int) -> list[target_pb2.StepStats]:
+    """The steps of a trace's adaptive runs at ``concurrency``, in the recorded order."""
+    return [target_pb2.StepStats(**dict(zip(run["fields"], row, strict=True)))
+            for run in sp._read_runs(path)
+            if run["mode"] == "adaptive" and run["concurrency"] == concurrency
+            for row in run["steps"]]
+
+
+def test_a_switch_judged_at_an_unknown_cost_is_judged_again_once_it_is_known():
+    """The same steps: the chain, switched to at its first probe with no cost a token of its
+    own (at the tree's, it would have stayed off), has one 8 steps later, and off's probe
+    starts then, not 100 steps later. Where the chain wins at the tree's cost too (32
+    streams without features), the switch stands as judged."""
+    policy = AdaptivePolicy(adaptive_shapes("", sp.TREE))
+    probing_off = []
+    for i, stats in enumerate(adaptive_steps(SESSION38_64, 64)[:300]):
+        policy.observe(stats)
+        chain_in_use = policy.buckets[64].mode == 2
+        if chain_in_use and not shape_for(policy.policy, 64, sp.TREE).num_draft_tokens:
+            probing_off.append(i)
+    switched = 55 + 17  # the untimed run's 55 steps, then run 0's 18th
+    assert probing_off and switched < probing_off[0] <= switched + 20, (switched, probing_off[:3])
+
+    policy = AdaptivePolicy(adaptive_shapes("", sp.TREE))
+    steps = adaptive_steps(SESSION38_NO_FEATURES, 32)
+    for stats in steps:
+        policy.observe(stats)
+        if policy.buckets[32].mode == 2:
+            break
+    assert policy.buckets[32].mode == 2 and policy.buckets[32].recheck is None
+    assert len(policy.buckets[32].ratios[1]) == 1  # the tree's, restated against the chain
 
 
 def test_replay_prints_judgements_and_refuses_a_concurrency_without_adaptive_runs(capsys):
     assert sp.main([str(SESSION38_64), "--replay", "--concurrency", "64"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("concurrency 64:\n  run -1: batch <= 64: a probe of off judged at 1.463")
+    assert out.startswith("concurrency 64:\n  run -1 step 33: batch <= 64: a probe of off "
+                          "judged at 1.49")
     with pytest.raises(SystemExit):
         sp.main([str(SESSION38_64), "--replay", "--concurrency", "16"])
     with pytest.raises(SystemExit):
