@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -138,6 +138,7 @@ MIN_SLOPES = 20  # pairs of them below which a budget's cost a token is every bu
 MIN_APART = 8  # tokens: the least difference of inputs between two steps whose slope counts
 PROMPTS = 1024  # steps whose prompts and commits give the prompt tokens per committed token
 PREFILLS = 128  # steps per bucket and mode whose prompt tokens give what a prompt token costs
+VISITS = 1024  # decode steps whose buckets say which buckets the batch only passes through
 
 
 def bucket_of(batch_size: int) -> int:
@@ -201,6 +202,8 @@ class _Bucket:
     # probes in a row that found it far behind
     costs: defaultdict = field(default_factory=lambda: defaultdict(lambda: 1.0))  # per other
     # mode: its step time over the mode in use's (last probe)
+    lost: dict = field(default_factory=dict)  # per other mode: the seconds its last probe
+    # lost against the mode in use (its catch-ups included)
     reference: float = 0.0    # the mode in use's rate when the last probe was judged
     held: int | None = None   # a mode the last judgement of it favoured, not switched to only
     # because the mode in use's tokens per step were not yet known
@@ -269,7 +272,9 @@ class AdaptivePolicy:
     steps: when its steps take k times as long as the mode in use's (k > 1),
     its interval is k times ``probe_every`` steps, so a probe costs the same
     share of the time whichever mode is in use (on an H200 at 32 streams a
-    verify step took 3.5 plain ones). Each probe in a row that finds the mode
+    verify step took 3.5 plain ones), and at least so far apart that what a
+    probe lost (its catch-ups, and its steps' shortfall) is ``probe_share``
+    (2 %) of the time. Each probe in a row that finds the mode
     in use ahead by more than ``clear`` (relative, 20 %) doubles that mode's
     interval, up to ``2**max_doublings`` times (re-measuring a mode that is
     far behind costs tokens and says little); a closer call resets it, and so
@@ -301,13 +306,17 @@ class AdaptivePolicy:
     first probes each other mode after ``first_probe`` steps of its own:
     buckets a workload only passes through (the tail of a wave of requests)
     then cost nothing, where probing each on its first steps ran most of those
-    steps without speculation. Every bucket starts with the first budget.
+    steps without speculation. Every bucket starts with the first budget. A
+    bucket the batch only passes through, a step or two at a time
+    (:meth:`passed_through`), does not probe at all, and follows the others as
+    if it had not decided.
     """
 
     def __init__(self, shapes: Sequence[common_pb2.DraftShape], margin: float = 0.02,
                  min_samples: int = 8, probe_every: int = 100, probe_steps: int = 8,
                  clear: float = 0.2, max_doublings: int = 4, first_probe: int = 16,
-                 sudden: float = 0.4, min_gains: int = 64, unknown_cost: float = 0.0) -> None:
+                 sudden: float = 0.4, min_gains: int = 64, unknown_cost: float = 0.0,
+                 probe_share: float = 0.02, passing: bool = True) -> None:
         nodes = [shape.num_draft_tokens for shape in shapes]
         if not shapes or 0 in nodes or len(set(nodes)) != len(nodes):
             raise ValueError(f"AdaptivePolicy needs budgets of different, non-zero node "
@@ -320,6 +329,13 @@ class AdaptivePolicy:
         self.min_samples, self.probe_every, self.probe_steps = min_samples, probe_every, probe_steps
         self.min_gains = min_gains
         self.unknown_cost = unknown_cost  # a budget's input_cost before its own is known
+        self.probe_share = probe_share  # of the time, at most, that probes lose (_interval)
+        self.passing = passing  # whether buckets the batch passes through follow others
+        self._visits: deque[tuple[int, bool]] = deque(maxlen=VISITS)  # the last decode
+        # steps' buckets, and whether each entered its bucket (the step before was another's)
+        self._visit_counts: Counter[int] = Counter()
+        self._entry_counts: Counter[int] = Counter()
+        self._last_size = 0
         self.buckets = {b: _Bucket() for b in BUCKETS}
         # per step: (prompt tokens prefilled, committed, finished requests' prompt tokens,
         # and their generated tokens)
@@ -350,6 +366,15 @@ class AdaptivePolicy:
             return None  # prompts alone say nothing about decode speed
         size = bucket_of(stats.batch_size)
         bucket = self.buckets[size]
+        if len(self._visits) == VISITS:
+            old, entered = self._visits[0]
+            self._visit_counts[old] -= 1
+            self._entry_counts[old] -= entered
+        entered = size != self._last_size
+        self._visits.append((size, entered))
+        self._visit_counts[size] += 1
+        self._entry_counts[size] += entered
+        self._last_size = size
         # The step's period (not its own time): the loop's work between steps is paid once per
         # step, so it weighs more on plain decoding's many short steps. The gain counts the
         # tokens committed, not accepted ones that max_new_tokens then dropped.
@@ -489,20 +514,31 @@ class AdaptivePolicy:
         return {m: np.concatenate(groups) for m, groups in slopes.items()} | {
             None: np.concatenate(every) if every else _NONE}
 
-    def _catch_up(self, first: Sample | None, cost: float) -> float:
-        """The draft wait a probe's first step spent on more input than a steady step sends
-        (at ``cost`` a token): what the change of mode cost beyond a step of the mode."""
-        if first is None:
+    def _catch_up(self, first: Sample | None, mode: int, steps: list[Sample]) -> float:
+        """The draft wait a change of mode's first step (of ``mode``) spent on more input
+        than a steady step sends, at the mode's input_cost a token: what the change cost
+        beyond a step of the mode. Before that cost is known, the first step's time beyond
+        the mean of the mode's ``steps`` around it (unknown_cost would make a chain's first
+        catch-up from off at 64 streams cost nothing, where it cost 0.1 s, and its next
+        probe came 300 steps later, not 900)."""
+        if first is None or not mode:
             return 0.0
-        excess = first.inputs - (1 + self.prompt_ratio) * first.committed
-        return min(max(excess * cost, 0.0), first.draft)
+        if self.cost_known(mode) or not steps:
+            excess = first.inputs - (1 + self.prompt_ratio) * first.committed
+            return min(max(excess * self.input_cost(mode), 0.0), first.draft)
+        return min(max(first.period - mean_period(steps), 0.0), first.draft)
 
     def _interval(self, bucket: _Bucket, mode: int) -> int:
-        """Steps of the mode in use between probes of ``mode``."""
+        """Steps of the mode in use between probes of ``mode``: ``probe_every`` times its
+        step time over the mode in use's, and at least enough that what its last probe lost
+        (:attr:`_Bucket.lost`) is ``probe_share`` of the time between two (a probe of the
+        chain from off at 64 streams on an H200 with a head's features lost 0.1-0.2 s to
+        its catch-up, which 100 plain steps' 0.65 s cannot carry)."""
         if not bucket.ratios[mode]:
             return self.first_probe
-        return (round(self.probe_every * max(bucket.costs[mode], 1.0))
-                << min(bucket.streaks[mode], self.max_doublings))
+        steps = max(self.probe_every * max(bucket.costs[mode], 1.0),
+                    bucket.lost.get(mode, 0.0) / self.probe_share / mean_period(bucket.window))
+        return round(steps) << min(bucket.streaks[mode], self.max_doublings)
 
     def _decide(self, bucket: _Bucket, size: int) -> None:
         if bucket.probe_left:
@@ -519,7 +555,7 @@ class AdaptivePolicy:
         others = [m for m in range(len(self.modes)) if m != bucket.mode]
         for m in others:
             bucket.since[m] += 1
-        if len(bucket.window) < self.min_samples:
+        if len(bucket.window) < self.min_samples or self.passed_through(size):
             return
         due = {m: bucket.since[m] / self._interval(bucket, m) for m in others}
         if bucket.held is not None and self._gains_known(bucket, self.probe_steps):
@@ -591,11 +627,13 @@ class AdaptivePolicy:
         # whatever they cost; the second says whether it is far behind, which spaces them
         # further (a mode whose steady steps are ahead never is: its probes cost a
         # catch-up, but it would pay that only once).
-        spent = (sum(s.period for s in bucket.probe)
-                 + self._catch_up(bucket.first, per_token.get(other, 0.0))
-                 + self._catch_up(bucket.back, per_token.get(bucket.mode, 0.0)))
+        catch_ups = (self._catch_up(bucket.first, other, bucket.probe)
+                     + self._catch_up(bucket.back, bucket.mode, bucket.after))
+        spent = sum(s.period for s in bucket.probe) + catch_ups
         bucket.costs[other] = spent / len(bucket.probe) / mean_period(current)
         got = (1 + self._gain(bucket, other)) * len(bucket.probe) / spent
+        tokens = (1 + self._gain(bucket, other)) * len(bucket.probe)  # a sequence's
+        bucket.lost[other] = catch_ups + max(tokens / theirs - tokens / mine, 0.0)
         bucket.ratios[other].append(theirs / mine)
         bucket.decided = True
         clear = theirs < mine and mine / min(theirs, got) > 1 + self.clear
@@ -664,6 +702,7 @@ class AdaptivePolicy:
         old = bucket.mode
         gain = _geometric_mean(bucket.ratios[new])  # new over old
         cost = bucket.costs.pop(new)
+        bucket.lost.pop(new, None)
         ratios = bucket.ratios.pop(new)
         for m in list(bucket.ratios):
             bucket.ratios[m] = deque((r / gain for r in bucket.ratios[m]), maxlen=PAIRS)
@@ -673,15 +712,45 @@ class AdaptivePolicy:
                 bucket.streaks[m] = 0
         bucket.ratios[old] = deque((1 / r for r in ratios), maxlen=PAIRS)
         bucket.costs[old] = 1 / cost
+        bucket.lost.pop(old, None)
         bucket.streaks[old] = 0
         bucket.since.pop(new, None)
         bucket.since[old] = 0
         bucket.mode, bucket.settling, bucket.held, bucket.recheck = new, True, None, None
 
+    def _stay(self, size: int) -> float:
+        """Decode steps the batch stayed in bucket ``size`` each time it entered it, on
+        average over the last VISITS steps (0: not there; infinite: there since before)."""
+        if not self._entry_counts[size]:
+            return math.inf if self._visit_counts[size] else 0.0
+        return self._visit_counts[size] / self._entry_counts[size]
+
+    def passed_through(self, size: int) -> bool:
+        """Whether the batch only passes through bucket ``size`` (with ``passing``): in the
+        last VISITS decode steps it was there, for fewer than ``probe_steps`` steps at a
+        time on average, and stayed that long in another bucket. Such a bucket does not
+        probe, and forgets what it decided (:meth:`_follow_neighbours`): its steps each
+        follow another bucket's, so a mode of its own would begin each with a catch-up, and
+        a probe there would take a step now and then for thousands of steps (at 64 streams
+        on an H200, the 8-node tree at 17-32 sequences each time a wave of prompts began,
+        with a head's features: 20-45 ms of catch-up each time, 0.15-0.2 s a run). Where the
+        batch stays nowhere that long (it wanders across a bucket's edge), buckets probe
+        as before. A bucket the workload no longer reaches keeps what it decided."""
+        if not self.passing or len(self._visits) < VISITS // 4:
+            return False
+        stay = self._stay(size)
+        return 0 < stay < self.probe_steps and any(
+            self._stay(other) >= self.probe_steps for other in self._visit_counts)
+
     def _follow_neighbours(self) -> None:
         """Undecided buckets take the mode of the nearest decided one (the smaller on a tie);
         with none decided, they keep the first budget. A bucket in a probe or in the steps
-        after it keeps its mode until that probe is judged (its samples are sorted by mode)."""
+        after it keeps its mode until that probe is judged (its samples are sorted by mode).
+        A decided bucket the batch only passes through starts over, undecided."""
+        for size, bucket in self.buckets.items():
+            if (bucket.decided and not (bucket.probe_left or bucket.after_left)
+                    and self.passed_through(size)):
+                self.buckets[size] = _Bucket(mode=bucket.mode)
         decided = [i for i, b in enumerate(self.buckets.values()) if b.decided]
         if not decided:
             return

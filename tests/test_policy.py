@@ -382,7 +382,8 @@ def test_a_budget_far_behind_keeps_its_back_off_when_two_close_modes_trade_place
     assert tree_steps <= 3 * policy.probe_steps, tree_steps
 
 
-def run_replay_like(seed: int, report: bool, steps: int = 6000, settled: int = 1000) -> int:
+def run_replay_like(seed: int, report: bool, steps: int = 6000, settled: int = 1000,
+                    **options: float) -> int:
     """Batch 1 on the H200's costs with the replay draft (corrupt 0.18): each node of the main
     path accepted with p = 0.82, so the 8-node tree (depth 4) yields 3.50 tokens a step in
     7.2 ms and the chain of 3 yields 3.04 in 6.9 ms (the tree 10 % ahead; off 1 token in 5.6
@@ -391,7 +392,7 @@ def run_replay_like(seed: int, report: bool, steps: int = 6000, settled: int = 1
     import random
 
     rng = random.Random(seed)
-    policy = AdaptivePolicy([DEFAULT, CHAIN])
+    policy = AdaptivePolicy([DEFAULT, CHAIN], **options)
     chain_steps = 0
     for i in range(steps):
         budget = shape_for(policy.policy, 1, DEFAULT).num_draft_tokens
@@ -414,12 +415,13 @@ def test_a_chain_is_judged_by_what_the_trees_first_child_path_accepted():
     accepted each) sometimes looks ahead and runs for hundreds of steps (the H200's 1-stream
     runs: the chain on 64-68 % of the steps of some). Judged by what every tree step's
     first-child path accepted, it runs only in its probes (about 7 % of the steps) for every
-    seed."""
+    seed. (Probes spaced so that each one's loss is at most 2 % of the time also keep it
+    there, in this simulation; with probes spaced only by their step time, not.)"""
     settled = 5000  # steps after the first 1000
     with_report = [run_replay_like(seed, True) / settled for seed in range(10)]
-    without = [run_replay_like(seed, False) / settled for seed in range(10)]
+    without = [run_replay_like(seed, False, probe_share=1.0) / settled for seed in range(10)]
     assert max(with_report) < 0.075, with_report
-    assert max(without) > 0.1, without  # what the report fixes (seed 3: 18 %)
+    assert max(without) > 0.1, without  # what the report fixes (seed 4: 19 %)
 
 
 def cpu_like_tree_share(seed: int, **options: float) -> float:
@@ -550,13 +552,15 @@ def test_adaptive_counts_what_a_return_to_speculation_costs_the_draft():
     mode), the chain looked ahead, and the policy kept returning to it (adaptive at 0.87 of
     off on the H200). Restating each speculative step for the draft input a steady run sends
     (draft_input_tokens, at the cost per token learnt from draft_s), and counting a probe's
-    catch-ups in what it costs, it stays within 3 % of off."""
+    catch-ups in what it costs, it stays within 3 % of off. (Without draft_input_tokens the
+    policy was at 0.93 of off; with every step restated for a steady run's prompts and each
+    catch-up's time counted in its probe's cost, 0.96-0.97, still short of the aim.)"""
     off = catch_up_run(None, True)
     chain = catch_up_run(AdaptivePolicy([CHAIN], first_probe=16), True)
     blind = catch_up_run(AdaptivePolicy([CHAIN], first_probe=16), False)
     assert catch_up_run(ALWAYS, True) < 0.9 * off
     assert chain >= 0.97 * off, (chain, off)
-    assert blind < 0.95 * off, (blind, off)  # what draft_input_tokens fixes
+    assert blind < 0.97 * off, (blind, off)  # what draft_input_tokens fixes
 
 
 @pytest.mark.parametrize("token_cost", [0.000004, 0.00003])
@@ -664,7 +668,8 @@ def test_the_prompts_per_committed_token_come_from_the_requests_that_ended():
 
 
 
-def wave_run(policy: AdaptivePolicy | types.SimpleNamespace, steps: int = 3000) -> tuple[float, list[float]]:
+def wave_run(policy: AdaptivePolicy | types.SimpleNamespace, steps: int = 3000,
+             chain_s: float = 0.020, catch_up_s: float = 0.0) -> tuple[float, list[float]]:
     """64 streams that start together, whose prompts (64 tokens) and answers (48) the target
     serves in waves while it decodes plainly: every 48th plain step starts a wave, whose
     three steps prefill 1600, 1600 and 896 prompt tokens at 20 us a token beside the 6-ms
@@ -672,8 +677,9 @@ def wave_run(policy: AdaptivePolicy | types.SimpleNamespace, steps: int = 3000) 
     sequence in 20 ms; run for 16 steps in a row, it has spread the requests' ends, and each
     of its steps prefills the 256 prompt tokens its 192 committed ones bring; a few steps of
     it between two waves (a probe) prefill nothing. Steadily, off makes 8.3k tokens a
-    second and the chain 7.6k (0.92 of off). Returns tokens per second and the chain's
-    judged ratios against off."""
+    second and the chain 7.6k (0.92 of off). ``chain_s``: the chain's step; ``catch_up_s``:
+    the draft wait of its first step after plain ones. Returns tokens per second and the
+    chain's judged ratios against off."""
     clock = tokens = 0.0
     phase = run_of_chain = 0
     ratios = []
@@ -683,7 +689,7 @@ def wave_run(policy: AdaptivePolicy | types.SimpleNamespace, steps: int = 3000) 
         if on:
             committed = 192
             prefill = 256 if run_of_chain > 16 else 0
-            period = 0.020
+            period = chain_s + (catch_up_s if run_of_chain == 1 else 0.0)
         else:
             committed, prefill = 64, (1600, 1600, 896)[phase] if phase < 3 else 0
             period = 0.006
@@ -695,6 +701,7 @@ def wave_run(policy: AdaptivePolicy | types.SimpleNamespace, steps: int = 3000) 
             policy.observe(target_pb2.StepStats(
                 batch_size=64, speculated=on, tree_budget=3 if on else 0, period_s=period,
                 total_s=period, committed_tokens=committed, prefill_tokens=prefill,
+                draft_s=catch_up_s if on and run_of_chain == 1 else 0.0,
                 finished_prompt_tokens=64 * finished, finished_generated_tokens=48 * finished))
             if policy.buckets[64].mode == 0 and list(policy.buckets[64].ratios[1]) != judged:
                 ratios.append(policy.buckets[64].ratios[1][-1])
@@ -713,3 +720,39 @@ def test_a_probe_between_two_waves_of_prompts_is_judged_at_a_steady_runs_prompts
     off, _ = wave_run(types.SimpleNamespace(policy=parse_table("*:0", DEFAULT)))
     assert ratios and all(0.85 < r < 0.99 for r in ratios), ratios
     assert adaptive >= 0.97 * off, (adaptive, off)
+
+
+def batches_run(policy: AdaptivePolicy, batches: list[int], steps: int,
+                tree_s: float = 0.020) -> list[tuple[int, bool]]:
+    """A target that applies the policy at each step, its batch size ``batches`` over and
+    over: off takes 6 ms a step, the 8-node tree ``tree_s`` (20 ms: off is ahead) and commits
+    2.5 tokens a sequence. Returns each step's batch size and whether it speculated."""
+    ran = []
+    for i in range(steps):
+        batch = batches[i % len(batches)]
+        on = speculates(policy, batch)
+        period = tree_s if on else 0.006
+        policy.observe(step(batch, on, period, round(1.5 * batch) if on else 0))
+        ran.append((batch, on))
+    return ran
+
+
+def test_a_bucket_the_batch_only_passes_through_follows_the_one_it_stays_in():
+    """Waves of prompts: 64 sequences for 47 steps, then 20 for one step. The bucket of 17-32
+    sequences gets a step each time, after a step of 64: a mode of its own would start each
+    with a catch-up, and its probe would take a step per wave. It does not probe, and follows
+    the bucket of 64, off; a batch that wanders across a bucket's edge (30 and 34, three
+    steps each) stays nowhere, and both buckets probe and turn off. A bucket that had
+    decided for itself (the tree, at batch 20 alone) forgets it once the batch only passes
+    through it."""
+    ran = batches_run(AdaptivePolicy([DEFAULT]), [64] * 47 + [20], 6000)
+    assert not any(on for batch, on in ran[1000:] if batch == 20), "the tree ran at batch 20"
+    before = AdaptivePolicy([DEFAULT])
+    batches_run(before, [20], 1000, tree_s=0.010)
+    assert speculates(before, 20) and before.buckets[32].decided
+    ran = batches_run(before, [64] * 47 + [20], 6000)
+    assert not any(on for batch, on in ran[2000:] if batch == 20), "the tree ran at batch 20"
+    wandering = AdaptivePolicy([DEFAULT])
+    batches_run(wandering, [30] * 3 + [34] * 3, 3000)
+    assert not speculates(wandering, 30) and not speculates(wandering, 34)
+    assert wandering.buckets[32].decided and wandering.buckets[64].decided

@@ -175,16 +175,20 @@ def test_a_replay_of_recorded_adaptive_runs_makes_the_live_policys_decisions():
     prefill restated) makes the same two switches at the same steps; with the chain's cost
     known, it judges off at 1.36 of the chain and switches back. Judged at the 20 us a
     token the chain's steady steps then cost, its first probe comes out behind off and the
-    bucket stays off. The 8-node tree's probe at 17-32 sequences, whose steps each began a
-    wave of prompts among plain steps and caught the draft up, counts those catch-ups: far
-    behind off."""
+    bucket stays off. The batch passes through 17-32 sequences when a wave of prompts
+    begins, and that bucket does not probe; made to (passing=False), the 8-node tree's probe
+    there, whose steps each followed plain ones and caught the draft up, counts those
+    catch-ups: far behind off."""
     live = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE)))
     switches = [line.split(" (")[0] for line in live if "speculation" in line]
     assert switches == ["run -1 step 33: batch <= 64: speculation off, was 8/4/4",
                         "run 0 step 17: batch <= 64: speculation 3/1/3, was off",
                         "run 0 step 172: batch <= 64: speculation off, was 3/1/3"], live
     assert "run 0 step 172: batch <= 64: a probe of off judged at 1.3" in "\n".join(live)
-    tree = next(line for line in live if "batch <= 32: a probe of 8/4/4" in line)
+    assert not any("batch <= 32" in line for line in live), live  # passed through: no probe
+    passing = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE),
+                                                                   passing=False))
+    tree = next(line for line in passing if "batch <= 32: a probe of 8/4/4" in line)
     assert float(tree.split("judged at ")[1].split()[0]) < 0.6, tree
     costed = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE),
                                                                   unknown_cost=0.00002))
@@ -235,3 +239,26 @@ def test_replay_prints_judgements_and_refuses_a_concurrency_without_adaptive_run
         sp.main([str(SESSION38_64), "--replay", "--concurrency", "16"])
     with pytest.raises(SystemExit):
         sp.main([str(SESSION38_64), "--replay", "--unknown-cost-us", "-1"])
+
+
+SESSION39_64 = RESULTS / "steps_8b_replay_h200_session39_ab1_head_9350253.jsonl.gz"
+
+
+def test_a_probe_that_loses_time_is_spaced_so_probes_lose_a_small_share():
+    """64 streams with a head's features on the H200 (session 39): the chain's first probe
+    from off was judged level with off (1.01 at a steady run's prompts), but its first step
+    caught 64 sequences up (0.1 s) and its steps ran between two waves: the probe lost 0.1 s.
+    Spaced by its step time alone, the next would come 100 x 5.25 steps later (3.7 s at
+    the 7 ms a plain step then took: 3 % of the time lost); spaced so that a probe loses at
+    most 2 % of the time, 740 steps later."""
+    def interval_after_first_probe(**options: float) -> int:
+        policy = AdaptivePolicy(adaptive_shapes("", sp.TREE), **options)
+        for stats in adaptive_steps(SESSION39_64, 64):
+            policy.observe(stats)
+            bucket = policy.buckets[64]
+            if bucket.ratios[2] and not bucket.after_left and len(bucket.window) >= 8:
+                return policy._interval(bucket, 2)
+        raise AssertionError("no probe of the chain")
+
+    assert 500 <= interval_after_first_probe(probe_share=1.0) <= 550
+    assert interval_after_first_probe() >= 700
