@@ -262,3 +262,26 @@ def test_a_probe_that_loses_time_is_spaced_so_probes_lose_a_small_share():
 
     assert 500 <= interval_after_first_probe(probe_share=1.0) <= 550
     assert interval_after_first_probe() >= 700
+
+
+def test_a_mode_left_is_probed_again_no_sooner_than_its_catch_up_allows():
+    """64 streams with a head's features on the H200 (session 39, the second A/B): the chain
+    ran from its first probe until a probe of off turned it off. Its next probe begins with a
+    catch-up of everything committed while off (its last one began with 0.08 s of it): it is
+    spaced by that, 540 steps later, not by the step times alone (270; there it caught up
+    0.39 s, 9 % of a 4.4-s run)."""
+    def chain_interval_after_leaving_it(**options: float) -> int:
+        policy = AdaptivePolicy(adaptive_shapes("", sp.TREE), **options)
+        left = False
+        for stats in adaptive_steps(RESULTS / "steps_8b_replay_h200_session39_ab2_head_517b641"
+                                    ".jsonl.gz", 64):
+            was = policy.buckets[64].mode
+            policy.observe(stats)
+            bucket = policy.buckets[64]
+            left = left or (was == 2 and bucket.mode == 0)
+            if left and len(bucket.window) >= 8 and not bucket.after_left:
+                return policy._interval(bucket, 2)
+        raise AssertionError("the chain was never left")
+
+    assert chain_interval_after_leaving_it() >= 500
+    assert chain_interval_after_leaving_it(probe_share=1.0) < 300
