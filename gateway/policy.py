@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter, defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -479,7 +479,7 @@ class AdaptivePolicy:
 
     def cost_known(self, mode: int) -> bool:
         """Whether ``mode``'s :meth:`input_cost` is its own (not ``unknown_cost``)."""
-        return len(self._slopes("inputs").get(mode, _NONE)) >= MIN_SLOPES
+        return len(self._slopes("inputs", only=mode).get(mode, _NONE)) >= MIN_SLOPES
 
     def prefill_cost(self, mode: int) -> float:
         """Seconds of a step of ``mode`` (0: off) per prompt token it prefilled, the draft
@@ -496,15 +496,15 @@ class AdaptivePolicy:
             return 0.0
         return max(float(np.median(pooled)), 0.0)
 
-    def _slopes(self, table: str) -> dict[int | None, np.ndarray]:
+    def _slopes(self, table: str, only: int | None = None) -> dict[int | None, np.ndarray]:
         """The pairwise slopes of each bucket's ``table`` points (bucket.inputs or
         bucket.prefills: per mode, (x, y) of its steps that followed one of the same mode),
-        per mode and (key None) all modes': pairs of one bucket and mode whose x differ by
-        at least half their median and MIN_APART."""
+        per mode and (key None) all modes' (with ``only``, that mode's alone): pairs of one
+        bucket and mode whose x differ by at least half their median and MIN_APART."""
         slopes: dict[int | None, list[np.ndarray]] = defaultdict(list)
         for bucket in self.buckets.values():
             for m, points in getattr(bucket, table).items():
-                if len(points) < 3:
+                if len(points) < 3 or only not in (None, m):
                     continue
                 xy = np.array(points, dtype=np.float64)
                 dx = xy[:, 0, None] - xy[None, :, 0]
@@ -682,12 +682,11 @@ class AdaptivePolicy:
         ``mine``) had no cost a draft token of its own, and at the other budgets' would not
         have been (with no budget's cost known, as from a target that does not report
         draft_input_tokens: never)."""
-        if not mode or self.cost_known(mode) or len(self._slopes("inputs")[None]) < MIN_SLOPES:
+        pooled = self._slopes("inputs")[None]
+        if not mode or self.cost_known(mode) or len(pooled) < MIN_SLOPES:
             return False
-        others = max(float(np.median(self._slopes("inputs")[None])), 0.0)
-        ratio = self._rate(bucket, mode, bucket.probe, others) / mine
-        ratios = [*list(bucket.ratios[mode])[:-1], ratio]
-        return _geometric_mean(deque(ratios)) <= 1 + self.margin
+        ratio = self._rate(bucket, mode, bucket.probe, max(float(np.median(pooled)), 0.0)) / mine
+        return _geometric_mean([*list(bucket.ratios[mode])[:-1], ratio]) <= 1 + self.margin
 
     def _gains_known(self, bucket: _Bucket, more_steps: int) -> bool:
         """Whether the mode in use's tokens per step come from ``min_gains`` sequence-steps
@@ -778,7 +777,7 @@ class AdaptivePolicy:
 _NONE = np.empty(0)
 
 
-def _geometric_mean(ratios: deque) -> float:
+def _geometric_mean(ratios: Collection[float]) -> float:
     return math.exp(sum(math.log(r) for r in ratios) / len(ratios))
 
 
