@@ -44,7 +44,7 @@ import logging
 import random
 import statistics
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +80,18 @@ def _read_runs(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines()]
 
 
+def adaptive_steps(paths: list[Path], concurrency: int
+                   ) -> Iterator[tuple[int, int, target_pb2.StepStats]]:
+    """The steps of the traces' adaptive runs at ``concurrency``, in the recorded order (the
+    untimed run first): (run, -1 untimed; the step's index in its run; the step)."""
+    for path in paths:
+        for run in _read_runs(path):
+            if run["mode"] == "adaptive" and run["concurrency"] == concurrency:
+                for i, row in enumerate(run["steps"]):
+                    yield run["run"], i, target_pb2.StepStats(**dict(zip(run["fields"], row,
+                                                                         strict=True)))
+
+
 def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], AdaptivePolicy]
            ) -> list[str]:
     """Feeds the adaptive runs at ``concurrency`` (its untimed run first, in the recorded
@@ -89,11 +101,11 @@ def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], Adapti
     policy the target ran, its decisions are the recorded run's; with another, the replay
     follows the recorded steps only until its first different decision."""
     lines: list[str] = []
-    where = {"step": 0}  # the step (of its run) the policy is observing
+    where = (0, 0)  # the run and step the policy is observing
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
-            lines.append(f"run {run['run']} step {where['step']}: {record.getMessage()}")
+            lines.append(f"run {where[0]} step {where[1]}: {record.getMessage()}")
 
     handler, logger = Collect(level=logging.DEBUG), logging.getLogger("gateway.policy")
     level = logger.level
@@ -101,13 +113,9 @@ def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], Adapti
     logger.setLevel(logging.DEBUG)
     try:
         policy = make_policy()
-        for path in paths:
-            for run in _read_runs(path):
-                if run["mode"] != "adaptive" or run["concurrency"] != concurrency:
-                    continue
-                for where["step"], row in enumerate(run["steps"]):
-                    policy.observe(target_pb2.StepStats(**dict(zip(run["fields"], row,
-                                                                   strict=True))))
+        for run, step, stats in adaptive_steps(paths, concurrency):
+            where = (run, step)
+            policy.observe(stats)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)

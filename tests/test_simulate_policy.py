@@ -199,10 +199,7 @@ def test_a_replay_of_recorded_adaptive_runs_makes_the_live_policys_decisions():
 
 def adaptive_steps(path: Path, concurrency: int) -> list[target_pb2.StepStats]:
     """The steps of a trace's adaptive runs at ``concurrency``, in the recorded order."""
-    return [target_pb2.StepStats(**dict(zip(run["fields"], row, strict=True)))
-            for run in sp._read_runs(path)
-            if run["mode"] == "adaptive" and run["concurrency"] == concurrency
-            for row in run["steps"]]
+    return [stats for _, _, stats in sp.adaptive_steps([path], concurrency)]
 
 
 def test_a_switch_judged_at_an_unknown_cost_is_judged_again_once_it_is_known():
