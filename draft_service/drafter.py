@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 import torch
 
 from draft_service.models import DraftModel, EntrySpan
-from draft_service.tree_search import CatchUp, TreeSearch, WireFeatures
+from draft_service.tree_search import CatchUp, FeatureBytes, TreeSearch, WireFeatures
 from splitspec.attention.base import AttentionBackend, SeqAttention
 from splitspec.attention.decode_table import prefix_attention_for
 from splitspec.kv_cache import KVCache, OutOfPages, PagePool, PageTable
@@ -56,6 +56,7 @@ from splitspec.model.layers import AttentionContext
 from splitspec.model.loader import DTYPES
 from splitspec.sampling import SamplingParams, draw_without_replacement, proposals, uniform
 from splitspec.spec_stats import SpecCounters
+from splitspec.staging import RowStaging
 from splitspec.tree import EMPTY_TREE, Proposal, Tree, depths, match_length
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ class SeqInput:
     start: int                  # position of new_tokens[0]
     new_tokens: list[int]
     shape: TreeShape
-    hidden_states: bytes = b""  # EAGLE-3: row-major [rows, hidden_dim] target features
+    hidden_states: FeatureBytes = b""  # EAGLE-3: row-major [rows, hidden_dim] target features
     hidden_dim: int = 0
     dtype: str = ""
     sampling: SamplingParams | None = None  # the request's, when it samples
@@ -142,7 +143,7 @@ def encode_features(features: torch.Tensor) -> tuple[bytes, int, str]:
             str(rows.dtype).removeprefix("torch."))
 
 
-def wire_features(data: bytes, rows: int, width: int, hidden_dim: int, dtype: str
+def wire_features(data: FeatureBytes, rows: int, width: int, hidden_dim: int, dtype: str
                   ) -> WireFeatures:
     """Target features [rows, width] in raw row-major bytes, checked (not copied); SeqError
     when they do not fit."""
@@ -465,6 +466,7 @@ class Drafter(BaseDrafter):
         self.backend = backend
         self.device = model.device
         self.search = search or TreeSearch(model, cache, prefix_attention_for(backend))
+        self._staging = RowStaging(self.device)  # the eager catch-up's features
 
     def _new_state(self) -> SeqState:
         return SeqState(PageTable(self.cache.page_size))
@@ -535,21 +537,31 @@ class Drafter(BaseDrafter):
                            "sequences of --max-context tokens: raise one of them") from exc
         return _Extend(state, span, features) if span.tokens else None
 
+    def _features(self, extends: list[_Extend]) -> torch.Tensor | None:
+        """The new entries' features, one sequence after another, on the device in the
+        model's dtype: as received, through the reused staging buffer in one copy."""
+        given = [ext.features for ext in extends if ext.features is not None]
+        if not given:
+            return None
+        wire = {features.dtype for features in given}
+        if len(wire) != 1:  # (a target sends one dtype; kept correct all the same)
+            return torch.cat([f.tensor().to(self.model.dtype) for f in given]).to(self.device)
+        raw = self._staging.send([features.array() for features in given])
+        return raw.view(wire.pop()).view(-1, self.model.feature_dim).to(self.model.dtype)
+
     def _extend(self, extends: list[_Extend]) -> None:
         """Append every sequence's new entries in one forward pass."""
         if not extends:
             return
-        ids, pos, attn, feats = [], [], [], []
+        ids, pos, attn = [], [], []
         for ext in extends:
             first, num = ext.span.first, len(ext.span.tokens)
             ids.append(torch.tensor(ext.span.tokens, dtype=torch.int64))
             pos.append(torch.arange(first, first + num))
             attn.append(SeqAttention(ext.state.table, kv_len=first + num, q_len=num))
-            if ext.features is not None:
-                feats.append(ext.features.tensor().to(self.model.dtype))
         meta = self.backend.plan(attn, self.device)
         ctx = AttentionContext(self.backend, meta, self.cache)
-        features = torch.cat(feats).to(self.device) if feats else None
+        features = self._features(extends)
         states = self.model.forward_entries(torch.cat(ids).to(self.device), features,
                                             torch.cat(pos).to(self.device), ctx)
         row = -1

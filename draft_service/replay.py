@@ -56,6 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
+
 from draft_service.drafter import (
     BaseDrafter,
     DrafterLimits,
@@ -67,6 +69,7 @@ from draft_service.drafter import (
     wire_features,
 )
 from draft_service.models import REPLAY, DraftSpec, eagle3_entries
+from draft_service.tree_search import WireFeatures
 from splitspec.model.config import LlamaConfig, read_hf_config
 from splitspec.replay import ReplayRecord
 from splitspec.tokenizer import TOKENIZER_FILE, tokenizer_sha256
@@ -176,6 +179,7 @@ class ReplayDrafter(BaseDrafter):
         self.corrupt_rate = corrupt_rate
         self.feature_dim = feature_dim  # --replay-features: an EAGLE-3 head's feature width
         self.feature_bytes = 0          # features taken (and copied) since start
+        self._host = np.empty(0, dtype=np.uint8)  # where they are copied, reused
 
     def _new_state(self) -> ReplaySeq:
         return ReplaySeq()
@@ -189,12 +193,20 @@ class ReplayDrafter(BaseDrafter):
             rows = len(eagle3_entries(item.start, item.new_tokens).tokens)
             wire = wire_features(item.hidden_states, rows, self.feature_dim, item.hidden_dim,
                                  item.dtype)
-            copied = bytearray(wire.data)  # as a head copies them into its host buffer
-            self.feature_bytes += len(copied)
+            self._copy(wire)
         state = self._sync(session, item, state)
         del state.tokens[item.start:]
         state.tokens.extend(item.new_tokens)
         self._follow(state, item.start)
+
+    def _copy(self, wire: WireFeatures) -> None:
+        """Copy the features once into a reused host buffer, as a head copies them into its
+        staging buffer for the device (drafter.py's ``RowStaging``)."""
+        size = len(wire.data)
+        if self._host.size < size:
+            self._host = np.empty(max(size, 2 * self._host.size), dtype=np.uint8)
+        self._host[:size] = wire.array().reshape(-1)
+        self.feature_bytes += size
 
     def _follow(self, state: ReplaySeq, start: int) -> None:
         """Keep the record the sequence follows, or find one, after tokens changed from start."""

@@ -174,14 +174,19 @@ class Candidates:
                     [0 if parents[c] < 0 else index[parents[c]] for c in kept])
 
 
+# Raw feature bytes as a request brings them: the protobuf field's bytes, or a read-only
+# uint8 view of the target's feature memory (splitspec/feature_memory.py), valid until the reply.
+FeatureBytes = bytes | np.ndarray
+
+
 class WireFeatures(NamedTuple):
     """Target features as a draft request carries them: ``rows`` x ``width`` values of
     ``dtype``, row-major in ``data`` (their size checked where they are read, drafter.py's
     ``wire_features``). They stay bytes until copied to where they go: once, straight into
-    the catch-up chain's host buffer (:meth:`ChainInputs.fill`), or into a tensor of their
-    own (:meth:`tensor`, the eager forward's)."""
+    the catch-up chain's host buffer (:meth:`ChainInputs.fill`) or the eager catch-up's
+    (``RowStaging``, splitspec/staging.py), or into a tensor of their own (:meth:`tensor`)."""
 
-    data: bytes
+    data: FeatureBytes
     rows: int
     width: int
     dtype: torch.dtype

@@ -46,12 +46,17 @@ class FeatureRing:
         """Write ``data`` for the request numbered ``key`` (the requests of a stream in the
         order sent): its offset, or None when the ring has no room for it until replies free
         some (or ever)."""
-        size = data.nbytes
+        start = self.reserve(data.nbytes, key)
+        if start is not None:
+            self._map[start:start + data.nbytes] = memoryview(np.ascontiguousarray(data)).cast("B")
+        return start
+
+    def reserve(self, size: int, key: int) -> int | None:
+        """Hold ``size`` bytes for the request numbered ``key``, for the caller to write: their
+        offset, or None as for :meth:`put`."""
         start = self._room(size) if size else None
-        if start is None:
-            return None
-        self._map[start:start + size] = memoryview(np.ascontiguousarray(data)).cast("B")
-        self._held.append((key, start, start + size))
+        if start is not None:
+            self._held.append((key, start, start + size))
         return start
 
     def _room(self, size: int) -> int | None:
@@ -85,6 +90,7 @@ class FeatureMap:
         self.path = path
         with open(path, "rb") as file:
             self._map = mmap.mmap(file.fileno(), 0, prot=mmap.PROT_READ)
+        self._bytes = np.frombuffer(self._map, dtype=np.uint8)  # what read() slices
 
     def check(self, expected: bytes) -> None:
         """ValueError when the segment does not start with the target's check bytes."""
@@ -92,12 +98,19 @@ class FeatureMap:
             raise ValueError(f"{self.path} is not the target's feature memory (its first "
                              f"{CHECK_BYTES} bytes differ from the ones the target wrote)")
 
-    def read(self, offset: int, length: int) -> bytes:
-        """A copy of ``length`` bytes at ``offset``; ValueError when they are not in it."""
-        if offset < CHECK_BYTES or offset + length > len(self._map):
+    def read(self, offset: int, length: int) -> np.ndarray:
+        """The ``length`` bytes at ``offset``, read-only and not copied: the reader copies
+        them where they go before it replies to their request, after which the target may
+        write them again (a fresh copy here cost more than the rest of a catch-up: a new
+        allocation's pages are faulted in, docs/benchmarks.md, thirty-fifth part);
+        ValueError when they are not in the segment."""
+        if offset < CHECK_BYTES or offset + length > len(self._bytes):
             raise ValueError(f"features at {offset}..{offset + length} are outside the "
-                             f"{len(self._map)}-byte feature memory {self.path}")
-        return self._map[offset:offset + length]
+                             f"{len(self._bytes)}-byte feature memory {self.path}")
+        return self._bytes[offset:offset + length]
 
     def close(self) -> None:
-        self._map.close()
+        """Let the segment go: it is unmapped once no view :meth:`read` gave is held (a
+        view outliving its request reads whatever the target wrote there since)."""
+        self._bytes = np.empty(0, dtype=np.uint8)
+        self._map = None

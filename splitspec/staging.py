@@ -39,3 +39,37 @@ class HostTwin:
         self.target.copy_(self.host, non_blocking=True)
         if record and self._sent is not None:
             self._sent.record()
+
+
+class RowStaging:
+    """Byte rows bound for ``device``, gathered into one host buffer that every call reuses
+    (pinned on CUDA, grown as needed) and sent in one copy: the draft's eager catch-up's
+    features. Gathered into fresh host memory instead, a catch-up's rows cost about 20 us
+    each on the H200's host, most of it faulting the new pages in (docs/benchmarks.md,
+    thirty-fifth part). As with :class:`HostTwin`, a call first waits for the last one's copy
+    to have read the buffer. Off CUDA the result is a copy of its own."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._host = torch.empty(0, dtype=torch.uint8)
+        self._sent = torch.cuda.Event() if self._cuda else None
+
+    def send(self, parts: list[np.ndarray]) -> torch.Tensor:
+        """``parts`` (uint8 arrays) one after another on the device: uint8 [their bytes]."""
+        total = sum(part.nbytes for part in parts)
+        if self._sent is not None:
+            self._sent.synchronize()
+        if self._host.numel() < total:
+            self._host = torch.empty(max(total, 2 * self._host.numel()), dtype=torch.uint8,
+                                     pin_memory=self._cuda)
+        host = self._host.numpy()
+        at = 0
+        for part in parts:
+            host[at:at + part.nbytes] = part.reshape(-1)
+            at += part.nbytes
+        if not self._cuda:
+            return self._host[:total].to(self.device, copy=True)
+        sent = self._host[:total].to(self.device, non_blocking=True)
+        self._sent.record()
+        return sent

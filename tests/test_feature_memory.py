@@ -40,8 +40,8 @@ def test_the_ring_writes_a_region_again_only_after_its_reply():
         third = rows(5, 2)
         assert ring.put(third, 2) == CHECK_BYTES  # wrapped to the start, before the 2nd
         assert ring.put(rows(1, 3), 3) is None    # only the 2nd's region is past the 3rd
-        assert view.read(CHECK_BYTES + 40, 40) == second.tobytes()  # not rewritten
-        assert view.read(CHECK_BYTES, 40) == third.tobytes()
+        assert view.read(CHECK_BYTES + 40, 40).tobytes() == second.tobytes()  # not rewritten
+        assert view.read(CHECK_BYTES, 40).tobytes() == third.tobytes()
         ring.replied(1)
         assert ring.put(rows(5, 4), 3) == CHECK_BYTES + 40
         assert ring.held_bytes == 80
@@ -50,6 +50,24 @@ def test_the_ring_writes_a_region_again_only_after_its_reply():
         assert ring.put(rows(13, 5), 4) is None  # larger than the whole ring
         assert ring.put(rows(0, 6), 4) is None   # nothing to write
         view.close()
+    finally:
+        ring.close()
+
+
+def test_a_read_is_a_view_of_the_memory_not_a_copy_and_outlives_close():
+    ring = FeatureRing(CHECK_BYTES + 64)
+    try:
+        view = FeatureMap(ring.path)
+        first = rows(2, 0)
+        offset = ring.put(first, 0)
+        seen = view.read(offset, 2 * ROW)
+        assert not seen.flags.writeable and seen.tobytes() == first.tobytes()
+        ring.replied(0)
+        again = rows(2, 1)
+        assert ring.put(again, 1) == offset
+        assert seen.tobytes() == again.tobytes()  # the target's new rows show through it
+        view.close()
+        assert seen.tobytes() == again.tobytes()  # still mapped while a view is held
     finally:
         ring.close()
 
@@ -82,7 +100,8 @@ class Recorder:
         pass
 
     def draft(self, session, seqs, release_ids=()):
-        self.seen += [(item.seq_id, item.hidden_states) for item in seqs]
+        # copied before the reply, as a drafter must (the memory's regions are written again)
+        self.seen += [(item.seq_id, bytes(item.hidden_states)) for item in seqs]
         return [SeqResult(item.seq_id, EMPTY_TREE, "") for item in seqs]
 
 

@@ -313,6 +313,23 @@ def test_read_features_copies_the_rows_through_pinned_memory_it_reuses():
         assert torch.equal(rows, expected[slots])
 
 
+def test_row_staging_sends_through_pinned_memory_without_rewriting_a_copy_in_flight():
+    """RowStaging on CUDA: each call's rows reach the device whole even when the next call
+    rewrites the reused pinned buffer at once (it waits for the last copy first)."""
+    from splitspec.staging import RowStaging
+
+    staging = RowStaging("cuda")
+    rng = np.random.default_rng(0)
+    sent, parts = [], []
+    for size in (4096, 1 << 22, 1 << 20, 1 << 23):
+        part = [rng.integers(0, 256, size, dtype=np.uint8), rng.integers(0, 256, 7, dtype=np.uint8)]
+        parts.append(np.concatenate(part))
+        sent.append(staging.send(part))
+    assert staging._host.is_pinned()
+    for rows, expected in zip(sent, parts, strict=True):
+        assert rows.device.type == "cuda" and np.array_equal(rows.cpu().numpy(), expected)
+
+
 def test_prefill_graph_plans_refuse_what_they_cannot_replay():
     graphs, pool = builtin_graphs((1, 2), (1,), (32,))
     table = PageTable(PAGE)

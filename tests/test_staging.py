@@ -1,8 +1,10 @@
-"""splitspec/staging.py: a device tensor's host twin (on CPU here: plain memory)."""
+"""splitspec/staging.py: a device tensor's host twin and byte rows staged for a device (on
+CPU here: plain memory)."""
 
+import numpy as np
 import torch
 
-from splitspec.staging import HostTwin
+from splitspec.staging import HostTwin, RowStaging
 
 
 def test_host_twin_reaches_its_target_only_when_sent():
@@ -16,3 +18,15 @@ def test_host_twin_reaches_its_target_only_when_sent():
     twin.array[0, 0] = 5
     twin.send(record=False)
     assert target[0, 0] == 5 and not twin.host.is_pinned()
+
+
+def test_row_staging_sends_the_parts_in_order_and_each_result_is_its_own():
+    staging = RowStaging("cpu")
+    parts = [np.arange(6, dtype=np.uint8).reshape(2, 3), np.full(4, 9, dtype=np.uint8),
+             np.zeros(0, dtype=np.uint8)]
+    first = staging.send(parts)
+    assert first.tolist() == [0, 1, 2, 3, 4, 5, 9, 9, 9, 9]
+    second = staging.send([np.full(20, 7, dtype=np.uint8)])  # larger: the buffer grows
+    assert second.tolist() == [7] * 20
+    assert first.tolist() == [0, 1, 2, 3, 4, 5, 9, 9, 9, 9]  # not the reused buffer
+    assert staging.send([]).numel() == 0
