@@ -11,19 +11,21 @@ memory (``splitspec/feature_memory.py``) the features go:
     draft:  the ring -> the head's input on its device (the replay draft: a host copy)
 
 Each way below is timed over requests of SEQS sequences of ROWS rows, their regions
-following each other round the ring as a stream's requests do (so the mappings' pages are
-touched as in a run). The ways:
+following each other round the ring as a stream's requests do, once the target has written
+all of it (``new ring`` below: before). The ways:
 
-- target ``now``: what ``ModelRunner.read_features`` and ``FeatureRing.put`` do (gather,
-  one copy into a reused pinned buffer, one copy into the ring);
-- target ``direct``: the gathered rows copied from the device straight into the ring, its
-  pages registered with CUDA (a prototype, not in the package);
+- target ``staged``: ``ModelRunner.read_features`` (gather, one copy into a reused pinned
+  buffer), then ``FeatureRing.put`` (one copy into the ring): session 39's way, and a
+  target's whose ring could not be page-locked;
+- target ``direct``: the ring page-locked (``FeatureRing.pin``), room held in it
+  (``DraftLink.feature_slot``) and the gathered rows copied from the device straight there
+  (``read_features(slots, into)``);
 - draft ``replay before``, ``eager before``: what the replay draft and the head's eager
   catch-up did before session 40 (``FeatureMap.read`` returned a copy; the head made a
   tensor of each sequence's, concatenated them and copied that to the device);
 - draft ``replay``, ``eager``: what they do now (``FeatureMap.read`` is a view; the replay
   copies it into a reused buffer, the head through ``RowStaging``'s reused pinned one);
-- ``new ring``: ``now`` and ``replay`` on a ring made for the request, as a stream's first
+- ``new ring``: ``staged`` and ``replay`` on a ring made for the request, as a stream's first
   requests find it (the target's writes allocate its pages, the draft's reads map them);
 - draft ``registered``: the draft's read-only mapping registered with CUDA, one copy of the
   request's region to the device (a prototype, not in the package).
@@ -44,17 +46,19 @@ import numpy as np
 import torch
 
 from splitspec.feature_memory import CHECK_BYTES, FeatureMap, FeatureRing
+from splitspec.kv_cache import KVCache
 from splitspec.staging import RowStaging
+from target_service.runner import ModelRunner
 
 
-def registered_view(buffer: object, size: int, read_only: bool) -> torch.Tensor:
-    """A uint8 tensor over ``buffer`` (an mmap), its pages registered with CUDA."""
-    with warnings.catch_warnings():  # a read-only mapping: the tensor is only read from
+def registered_view(array: np.ndarray) -> torch.Tensor:
+    """A uint8 tensor over ``array`` (the draft's read-only mapping), its pages registered
+    with CUDA as read-only (unregister them before the mapping goes)."""
+    with warnings.catch_warnings():  # read-only: the tensor is only read from
         warnings.simplefilter("ignore", UserWarning)
-        view = torch.frombuffer(buffer, dtype=torch.uint8, count=size)
-    flags = 8 if read_only else 0  # cudaHostRegisterReadOnly
-    err = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), size, flags)
-    if int(err) != 0:
+        view = torch.from_numpy(array)
+    err = torch.cuda.cudart().cudaHostRegister(view.data_ptr(), view.numel(), 8)  # ReadOnly
+    if err != torch.cuda.cudart().cudaError.success:
         raise RuntimeError(f"cudaHostRegister failed: {err}")
     return view
 
@@ -77,32 +81,32 @@ def run(seqs: int, rows: int, width: int, repeats: int, ring_mb: int) -> dict[st
     total = seqs * rows
     nbytes = total * row_bytes
     ring = FeatureRing(ring_mb << 20)
+    ring.array[:] = 0  # every page written once, as in a run after its first requests
     view = FeatureMap(ring.path)
-    pool = torch.randn(max(4 * total, 4096), width, device=device).to(dtype)
-    slots = torch.randperm(pool.shape[0], device=device)[:total]
-    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)  # read_features' buffer
-    staged = pinned.numpy()
+    cache = KVCache(1, -(-max(4 * total, 4096) // 16), 16, 1, 8, dtype, device)
+    cache.hold_features(width, dtype)
+    cache.features.copy_(torch.randn(cache.features.shape, device=device))
+    runner = ModelRunner(None, cache, None, device)
+    slots = torch.randperm(cache.features.shape[0])[:total].tolist()
     out: dict[str, float] = {}
     placed: list[int] = []  # each request's offset, for the draft's ways
 
-    def put_now(i: int) -> None:
-        rows_ = pool.index_select(0, slots)
-        pinned.view(dtype).view(total, width).copy_(rows_)
+    def put_before(i: int) -> None:  # what a target whose ring is not page-locked does
+        rows_ = runner.read_features(slots)
         ring.replied(i - 1)
-        placed.append(ring.put(staged, i))
+        placed.append(ring.put(rows_.view(torch.uint8).numpy(), i))
 
-    out["target now"] = median_ms(put_now, repeats)
-    if cuda:
-        mapped = registered_view(ring._map, ring.size, read_only=False)
+    out["target staged"] = median_ms(put_before, repeats)
+    if cuda and (error := ring.pin()):
+        raise RuntimeError(error)
 
-        def put_direct(i: int) -> None:
-            rows_ = pool.index_select(0, slots)
-            ring.replied(i - 1)
-            start = ring.reserve(nbytes, i)
-            mapped[start:start + nbytes].view(dtype).view(total, width).copy_(rows_)
-            placed.append(start)
+    def put_direct(i: int) -> None:  # DraftLink.feature_slot, then read_features into it
+        ring.replied(i - 1)
+        start = ring.reserve(nbytes, i)
+        runner.read_features(slots, ring.array[start:start + nbytes])
+        placed.append(start)
 
-        out["target direct"] = median_ms(put_direct, repeats)
+    out["target direct"] = median_ms(put_direct, repeats)
     offsets = placed[-repeats:]
     per_seq = rows * row_bytes
 
@@ -141,6 +145,8 @@ def run(seqs: int, rows: int, width: int, repeats: int, ring_mb: int) -> dict[st
         out[name] = median_ms(fn, repeats)
     fresh: list[tuple[FeatureRing, FeatureMap]] = []
 
+    staged = runner.read_features(slots).view(torch.uint8).numpy()
+
     def put_fresh(i: int) -> None:  # a stream's first requests: the ring's pages are new
         ring_ = FeatureRing(CHECK_BYTES + nbytes)
         fresh.append((ring_, FeatureMap(ring_.path)))
@@ -153,13 +159,13 @@ def run(seqs: int, rows: int, width: int, repeats: int, ring_mb: int) -> dict[st
             host[at:at + per_seq] = view_.read(CHECK_BYTES + s * per_seq, per_seq)
             at += per_seq
 
-    out["target now, new ring"] = median_ms(put_fresh, repeats)
+    out["target staged, new ring"] = median_ms(put_fresh, repeats)
     out["draft replay, new ring"] = median_ms(replay_fresh, repeats)
     for ring_, view_ in fresh:
         view_.close()
         ring_.close()
     if cuda:
-        seen = registered_view(view._bytes, ring.size, read_only=True)
+        seen = registered_view(view._bytes)
         device_rows = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
         def registered(i: int) -> None:
@@ -168,6 +174,9 @@ def run(seqs: int, rows: int, width: int, repeats: int, ring_mb: int) -> dict[st
             torch.cuda.synchronize()
 
         out["draft registered"] = median_ms(registered, repeats)
+        torch.cuda.cudart().cudaHostUnregister(seen.data_ptr())
+    ring.close()
+    view.close()
     return out
 
 

@@ -23,6 +23,7 @@ import os
 from collections import deque
 
 import numpy as np
+import torch
 
 CHECK_BYTES = 16  # the segment starts with these random bytes: the draft checks it opened ours
 
@@ -37,10 +38,24 @@ class FeatureRing:
         self._fd = os.memfd_create("splitspec-features", os.MFD_CLOEXEC)
         os.ftruncate(self._fd, size)
         self._map = mmap.mmap(self._fd, size)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)  # the segment, writable
+        self.pinned = False  # page-locked for CUDA (pin)
         self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
         self.check = os.urandom(CHECK_BYTES)
         self._map[:CHECK_BYTES] = self.check
         self._held: deque[tuple[int, int, int]] = deque()  # (key, start, end), oldest first
+
+    def pin(self) -> str:
+        """Page-lock the segment for CUDA, so that a GPU's copies write into it directly (at
+        device speed; to unlocked memory they went at a twentieth of it) and its pages are
+        all allocated now, not at a catch-up's first write into them (25 us a 24 KiB row on
+        the H200's host; docs/benchmarks.md, thirty-fifth part): "" once done, or why not."""
+        cudart = torch.cuda.cudart()
+        error = cudart.cudaHostRegister(self.array.ctypes.data, self.size, 0)
+        if error != cudart.cudaError.success:
+            return f"cudaHostRegister of {self.size} bytes failed: {error}"
+        self.pinned = True
+        return ""
 
     def put(self, data: np.ndarray, key: int) -> int | None:
         """Write ``data`` for the request numbered ``key`` (the requests of a stream in the
@@ -48,12 +63,13 @@ class FeatureRing:
         some (or ever)."""
         start = self.reserve(data.nbytes, key)
         if start is not None:
-            self._map[start:start + data.nbytes] = memoryview(np.ascontiguousarray(data)).cast("B")
+            raw = np.ascontiguousarray(data).view(np.uint8)
+            self.array[start:start + data.nbytes] = raw.reshape(-1)
         return start
 
     def reserve(self, size: int, key: int) -> int | None:
-        """Hold ``size`` bytes for the request numbered ``key``, for the caller to write: their
-        offset, or None as for :meth:`put`."""
+        """Hold ``size`` bytes for the request numbered ``key``, for the caller to write
+        (``array[offset:offset + size]``): their offset, or None as for :meth:`put`."""
         start = self._room(size) if size else None
         if start is not None:
             self._held.append((key, start, start + size))
@@ -79,7 +95,13 @@ class FeatureRing:
         return sum(end - start for _, start, end in self._held)
 
     def close(self) -> None:
-        self._map.close()
+        """Unlock and let the segment go: it is unmapped once no view of :attr:`array` is
+        held (the draft's mapping keeps its pages until it lets go too)."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+            self.pinned = False
+        self.array = np.empty(0, dtype=np.uint8)
+        self._map = None
         os.close(self._fd)
 
 

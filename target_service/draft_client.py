@@ -44,19 +44,35 @@ class Sent(NamedTuple):
 class Features(NamedTuple):
     """A request's EAGLE-3 features (:meth:`DraftLink.send`): ``rows`` [n, bytes a row] of
     ``width`` ``dtype`` values a row, the first ``counts[0]`` for its first sequence, and so
-    on."""
+    on; ``offset``: where they already lie in the stream's feature memory, written there
+    through :meth:`DraftLink.feature_slot` (None: anywhere else)."""
 
     rows: np.ndarray
     counts: list[int]
     width: int
     dtype: str
+    offset: int | None = None
+
+
+class FeatureSlot(NamedTuple):
+    """Room for a request's features in the stream's feature memory: ``rows``, the
+    ``array`` view to write them into, at ``offset``."""
+
+    offset: int
+    rows: np.ndarray
 
 
 def place_features(request: draft_pb2.DraftRequest, features: Features,
                    ring: FeatureRing | None, key: int) -> None:
-    """Give each of ``request.seqs`` its features: in ``ring`` (held for the request ``key``,
-    :meth:`FeatureRing.put`) when it has room, else in the request itself."""
-    offset = ring.put(features.rows, key) if ring is not None else None
+    """Give each of ``request.seqs`` its features: where they already lie in ``ring``, else
+    in it (held for the request ``key``, :meth:`FeatureRing.put`) when it has room, else in
+    the request itself."""
+    if features.offset is not None:
+        if ring is None:
+            raise RuntimeError("features written into a feature memory the stream no longer has")
+        offset = features.offset
+    else:
+        offset = ring.put(features.rows, key) if ring is not None else None
     row_bytes = features.rows.shape[1]
     at = 0
     for item, count in zip(request.seqs, features.counts, strict=True):
@@ -81,11 +97,14 @@ class DraftLink:
     """
 
     def __init__(self, address: str, channel: grpc.Channel, info: draft_pb2.DraftInfo,
-                 timeout_s: float, feature_memory_bytes: int = 0) -> None:
+                 timeout_s: float, feature_memory_bytes: int = 0,
+                 pin_features: bool = False) -> None:
         self.address = address
         self.info = info
         self.timeout_s = timeout_s
         self.feature_memory_bytes = feature_memory_bytes
+        self.pin_features = pin_features  # a CUDA target: the segment page-locked
+        self._direct = False  # whether feature_slot offers room in the segment
         self._stub = draft_pb2_grpc.DraftStub(channel)
         self._channel = channel
         self._requests: queue.Queue = queue.Queue()
@@ -98,10 +117,11 @@ class DraftLink:
 
     @classmethod
     def connect(cls, address: str, timeout_s: float, exchange_timeout_s: float,
-                feature_memory_bytes: int = 0) -> DraftLink:
+                feature_memory_bytes: int = 0, pin_features: bool = False) -> DraftLink:
         channel = wait_for_serving(address, timeout_s, "draft service")
         info = draft_pb2_grpc.DraftStub(channel).GetInfo(draft_pb2.GetDraftInfoRequest(), timeout=10)
-        return cls(address, channel, info, exchange_timeout_s, feature_memory_bytes)
+        return cls(address, channel, info, exchange_timeout_s, feature_memory_bytes,
+                   pin_features)
 
     @property
     def feature_memory(self) -> str:
@@ -110,6 +130,18 @@ class DraftLink:
 
     def init_report(self) -> common_pb2.InitReport:
         return self._stub.GetInitReport(common_pb2.GetInitReportRequest(), timeout=10)
+
+    def feature_slot(self, size: int) -> FeatureSlot | None:
+        """Room for the next request's ``size`` bytes of features in the stream's feature
+        memory, held for it, to be written there straight from the target's cache (its
+        ``Features`` then carry the offset); None when they are to go another way (no
+        memory, no room, a stream :meth:`send` would reopen, or a GPU target whose segment
+        could not be page-locked)."""
+        ring = self._ring
+        if ring is None or self._call is None or not self._direct:
+            return None
+        start = ring.reserve(size, self._sent)
+        return None if start is None else FeatureSlot(start, ring.array[start:start + size])
 
     def _open(self) -> None:
         self._close_ring()
@@ -145,8 +177,12 @@ class DraftLink:
             log.warning("draft features travel on the stream, not through shared memory: %s",
                         error)
             return None
-        log.info("draft features through shared memory %s (%.0f MiB)", ring.path,
-                 ring.size / 2**20)
+        self._direct = True
+        if self.pin_features and (error := ring.pin()):
+            log.warning("draft features staged before they go into shared memory: %s", error)
+            self._direct = False
+        log.info("draft features through shared memory %s (%.0f MiB%s)", ring.path,
+                 ring.size / 2**20, ", page-locked" if ring.pinned else "")
         return ring
 
     def _close_ring(self) -> None:
@@ -187,6 +223,9 @@ class DraftLink:
             self._open()
             restarted = True
         if features is not None:
+            if restarted and features.offset is not None:
+                raise RuntimeError("features were written into the feature memory of a stream "
+                                   "that send reopened (feature_slot offers none then)")
             place_features(request, features, self._ring, self._sent)
         self._requests.put(request)
         self._sent += 1

@@ -592,13 +592,17 @@ class Engine:
     def _features(self, seqs: list[Sequence], items: list[draft_pb2.SeqDraftInput]) -> Features:
         """Each item's captured features, from its first new token's predecessor (the draft
         pairs a token with the features of the one before) to the last cached token: read from
-        the cache's features in one gather and one copy to the host for the whole request."""
+        the cache's features in one gather and one copy to the host for the whole request,
+        straight into the draft's feature memory where the link has room there."""
         spans = [range(max(item.start - 1, 0), seq.num_cached) for seq, item in zip(seqs, items,
                                                                                     strict=True)]
-        rows = self.runner.read_features([slot for seq, span in zip(seqs, spans, strict=True)
-                                          for slot in seq.table.slots(span)])
+        slots = [slot for seq, span in zip(seqs, spans, strict=True)
+                 for slot in seq.table.slots(span)]
+        place = self.draft.feature_slot(len(slots) * self.runner.feature_row_bytes)
+        rows = self.runner.read_features(slots, place.rows if place is not None else None)
         return Features(rows.view(torch.uint8).numpy(), [len(span) for span in spans],
-                        rows.shape[1], str(rows.dtype).removeprefix("torch."))
+                        rows.shape[1], str(rows.dtype).removeprefix("torch."),
+                        place.offset if place is not None else None)
 
     def _send_early(self) -> _Early | None:
         """Send the next step's draft request now, at the end of this step, so that its way to

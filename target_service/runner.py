@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from splitspec.attention.base import AttentionBackend
@@ -62,18 +63,30 @@ class ModelRunner:
         compaction after acceptance)."""
         self.cache.copy_slots(src.to(self.device), dst.to(self.device))
 
-    def read_features(self, slots: list[int]) -> torch.Tensor:
-        """The captured features at global ``slots`` ([len(slots), width] on the host): one
-        gather and one copy. Rank 0's own (no other rank keeps them): nothing to announce.
+    @property
+    def feature_row_bytes(self) -> int:
+        """Bytes of one slot's captured features (rank 0 of a target serving EAGLE-3)."""
+        features = self.cache.features
+        return features.shape[1] * features.element_size() if features is not None else 0
 
-        From a GPU the copy goes to pinned memory that the next call reuses, so the caller
-        must be done with the rows by then (the engine puts them in the draft request at
-        once). A copy to pageable memory ran at a twentieth of the speed on an H200 host
+    def read_features(self, slots: list[int], into: np.ndarray | None = None) -> torch.Tensor:
+        """The captured features at global ``slots`` ([len(slots), width] on the host): one
+        gather and one copy, into ``into`` (bytes on the host: the draft's feature memory,
+        page-locked where the cache is on a GPU) when given. Rank 0's own (no other rank
+        keeps them): nothing to announce.
+
+        Otherwise from a GPU the copy goes to pinned memory that the next call reuses, so the
+        caller must be done with the rows by then (the engine puts them in the draft request
+        at once). A copy to pageable memory ran at a twentieth of the speed on an H200 host
         (32 against 1.3 ms for a catch-up's 49 MiB; docs/benchmarks.md, thirty-second part)."""
         if self.cache.features is None:
             raise RuntimeError("this target keeps no captured features (no EAGLE-3 draft)")
         index = torch.tensor(slots, dtype=torch.int64).to(self.device)
         rows = self.cache.features.index_select(0, index)
+        if into is not None:
+            out = torch.from_numpy(into).view(rows.dtype).view(rows.shape)
+            out.copy_(rows)  # (to the host: returns once it is there)
+            return out
         if rows.device.type != "cuda":
             return rows
         if self._staging is None or self._staging.shape[0] < len(slots):

@@ -239,7 +239,8 @@ def connect_draft(cfg: TargetConfig, spec: ModelSpec, cache: KVCache) -> Detaile
     """The draft's link, checked against this target; when the draft reads the target's
     captured layer inputs (EAGLE-3), ``cache`` keeps them for every slot from now on."""
     link = DraftLink.connect(cfg.draft, cfg.connect_timeout_s, cfg.draft_timeout_s,
-                             cfg.feature_memory_mb * 2**20)
+                             cfg.feature_memory_mb * 2**20,
+                             pin_features=cache.data.device.type == "cuda")
     info = link.info
     problems = draft_mismatches(info, spec)
     if problems:

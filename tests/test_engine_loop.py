@@ -16,9 +16,16 @@ import pytest
 import torch
 
 from splitspec.attention.base import new_token_slots
+from splitspec.feature_memory import FeatureMap, FeatureRing
 from splitspec.kv_cache import KVCache, PagePool
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2
-from target_service.draft_client import ExchangeResult, Features, Sent, place_features
+from target_service.draft_client import (
+    ExchangeResult,
+    Features,
+    FeatureSlot,
+    Sent,
+    place_features,
+)
 from target_service.engine import STOPPING, Engine, EngineLimits
 from target_service.runner import ModelRunner
 from target_service.scheduler import Scheduler
@@ -195,6 +202,7 @@ class CheckedFeatures(NullRunner):
 
     copy_slots = ModelRunner.copy_slots
     read_features = ModelRunner.read_features
+    feature_row_bytes = ModelRunner.feature_row_bytes
 
     def __init__(self) -> None:
         super().__init__()
@@ -372,6 +380,9 @@ class ChainDraft:
         self._replies: list[draft_pb2.DraftReply] = []
         self.on_send: Callable[[draft_pb2.DraftRequest], None] = lambda request: None
 
+    def feature_slot(self, size: int) -> None:
+        """None: the features go in the request, as with a link without shared memory."""
+
     def send(self, request: draft_pb2.DraftRequest, features: Features | None = None) -> Sent:
         if features is not None:  # in the request, as the link without shared memory does
             place_features(request, features, None, 0)
@@ -535,7 +546,35 @@ class PausingDraft(BranchDraft):
         return ExchangeResult(None, "paused", False) if 3 <= sent.step <= 5 else result
 
 
-@pytest.mark.parametrize("draft", [None, "branch", "pausing"])
+class RingDraft(PausingDraft):
+    """PausingDraft whose link has a feature memory (DraftLink's FeatureRing) with room
+    for every request: the engine reads the features straight into it (feature_slot). Each
+    request is recorded with its features copied back out of the memory, as a draft reads
+    them, and the memory's region is freed at once (as if the reply had come)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ring = FeatureRing(1 << 20)
+        self.view = FeatureMap(self.ring.path)
+        self.slots = 0
+
+    def feature_slot(self, size: int) -> FeatureSlot | None:
+        start = self.ring.reserve(size, len(self.sent))
+        self.slots += start is not None
+        return None if start is None else FeatureSlot(start, self.ring.array[start:start + size])
+
+    def send(self, request: draft_pb2.DraftRequest, features: Features | None = None) -> Sent:
+        if features is not None:
+            assert features.offset is not None
+            place_features(request, features, self.ring, len(self.sent))
+            for item in request.seqs:  # what the draft reads, back into the request
+                where = item.hidden_states_at
+                item.hidden_states = self.view.read(where.offset, where.length).tobytes()
+            self.ring.replied(len(self.sent))
+        return super().send(request, None)
+
+
+@pytest.mark.parametrize("draft", [None, "branch", "pausing", "ring"])
 def test_the_features_are_the_committed_tokens_position_by_position(draft):
     """The target's features live in its cache (one row a slot): written by each forward,
     moved by the compaction with the K/V (a tree whose accepted path moves: the root's and
@@ -543,7 +582,8 @@ def test_the_features_are_the_committed_tokens_position_by_position(draft):
     each request's features are its committed tokens'; every draft request carries those of
     the tokens from the one before its first new token (its catch-up, after a pause too)."""
     runner = CheckedFeatures()
-    link = {None: None, "branch": BranchDraft(), "pausing": PausingDraft()}[draft]
+    link = {None: None, "branch": BranchDraft(), "pausing": PausingDraft(),
+            "ring": RingDraft()}[draft]
     shape = common_pb2.DraftShape(num_draft_tokens=4, topk=2, num_steps=2)
     with running_engine(runner, PagePool(8), link, shape, capture=(1,)) as engine:
         runner.engine = engine
@@ -559,9 +599,12 @@ def test_the_features_are_the_committed_tokens_position_by_position(draft):
             first, item.start + len(item.new_tokens) - 1)]
     # the branch's trees each accept two nodes, which move; while the draft does not reply,
     # each request carries every token since its last reply (the last one, the catch-up)
-    assert spec.accepted_tokens == {None: 0, "branch": 8, "pausing": 6}[draft]
+    assert spec.accepted_tokens == {None: 0, "branch": 8, "pausing": 6, "ring": 6}[draft]
     assert [len(item.new_tokens) for item in requests] == {
-        None: [], "branch": [4, 3, 3, 3], "pausing": [4, 3, 4, 5, 6, 3]}[draft]
+        None: [], "branch": [4, 3, 3, 3], "pausing": [4, 3, 4, 5, 6, 3],
+        "ring": [4, 3, 4, 5, 6, 3]}[draft]
+    if draft == "ring":  # every request's features went straight into the memory
+        assert link.slots == len(requests)
 
 
 def test_one_compaction_moves_every_sequences_accepted_path():

@@ -170,6 +170,29 @@ def test_features_reach_the_drafter_through_the_memory_as_its_ring_wraps(draft):
         link.close()
 
 
+def test_features_written_into_a_slot_of_the_memory_reach_the_drafter(draft):
+    """DraftLink.feature_slot: room held for the next request, which the target's cache is
+    read into (as the engine does); the request then points at it, and nothing is copied."""
+    recorder, _, start = draft
+    link = open_link(start(), CHECK_BYTES + 50 * ROW)
+    try:
+        for step in range(8):  # 4-10 rows a request in a ring of 50: it wraps
+            request, features = request_of(step, [step + 1, 3])
+            slot = link.feature_slot(features.rows.nbytes)
+            assert slot is not None and slot.rows.nbytes == features.rows.nbytes
+            slot.rows[:] = features.rows.reshape(-1)
+            written = features._replace(rows=slot.rows.reshape(features.rows.shape),
+                                        offset=slot.offset)
+            recorder.seen.clear()
+            assert link.receive(link.send(request, written)).reply is not None
+            assert all(item.hidden_states_at.offset >= slot.offset for item in request.seqs)
+            assert recorder.seen == expected(request, features)
+        assert link.feature_slot(51 * ROW) is None  # more than the whole ring
+    finally:
+        link.close()
+    assert link.feature_slot(ROW) is None  # closed: no memory
+
+
 def test_features_without_room_in_the_memory_travel_on_the_stream(draft):
     recorder, _, start = draft
     link = open_link(start(), CHECK_BYTES + 50 * ROW)

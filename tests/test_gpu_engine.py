@@ -313,6 +313,33 @@ def test_read_features_copies_the_rows_through_pinned_memory_it_reuses():
         assert torch.equal(rows, expected[slots])
 
 
+def test_read_features_writes_into_a_page_locked_feature_memory():
+    """ModelRunner.read_features into a FeatureRing that pin() page-locked (the draft link's
+    feature_slot on a GPU target): the rows land in the segment byte for byte, and close()
+    unlocks it while a view of it is still held."""
+    from splitspec.feature_memory import FeatureMap, FeatureRing
+    from target_service.runner import ModelRunner
+
+    cache = KVCache(1, 64, PAGE, 1, 8, torch.bfloat16, "cuda")
+    cache.hold_features(24, torch.bfloat16)
+    cache.features.copy_(torch.randn(cache.features.shape).to(cache.features))
+    runner = ModelRunner(None, cache, None, "cuda")
+    ring = FeatureRing(1 << 20)
+    assert ring.pin() == "" and ring.pinned
+    view = FeatureMap(ring.path)
+    slots = list(range(200, 0, -7))
+    size = len(slots) * runner.feature_row_bytes
+    start = ring.reserve(size, 0)
+    rows = runner.read_features(slots, ring.array[start:start + size])
+    expected = cache.features.cpu()[slots]
+    assert torch.equal(rows, expected)
+    seen = torch.frombuffer(view.read(start, size).tobytes(), dtype=torch.bfloat16)
+    assert torch.equal(seen.view(expected.shape), expected)
+    ring.close()
+    assert not ring.pinned and torch.equal(rows, expected)
+    view.close()
+
+
 def test_row_staging_sends_through_pinned_memory_without_rewriting_a_copy_in_flight():
     """RowStaging on CUDA: each call's rows reach the device whole even when the next call
     rewrites the reused pinned buffer at once (it waits for the last copy first)."""
