@@ -91,18 +91,22 @@ def run(seqs: int, rows: int, width: int, repeats: int, ring_mb: int) -> dict[st
     out: dict[str, float] = {}
     placed: list[int] = []  # each request's offset, for the draft's ways
 
+    key = iter(range(1 << 30))  # the requests of the ring's stream, in order
+
     def put_before(i: int) -> None:  # what a target whose ring is not page-locked does
         rows_ = runner.read_features(slots)
-        ring.replied(i - 1)
-        placed.append(ring.put(rows_.view(torch.uint8).numpy(), i))
+        k = next(key)
+        ring.replied(k - 1)
+        placed.append(ring.put(rows_.view(torch.uint8).numpy(), k))
 
     out["target staged"] = median_ms(put_before, repeats)
     if cuda and (error := ring.pin()):
         raise RuntimeError(error)
 
     def put_direct(i: int) -> None:  # DraftLink.feature_slot, then read_features into it
-        ring.replied(i - 1)
-        start = ring.reserve(nbytes, i)
+        k = next(key)
+        ring.replied(k - 1)
+        start = ring.reserve(nbytes, k)
         runner.read_features(slots, ring.array[start:start + nbytes])
         placed.append(start)
 
