@@ -503,7 +503,7 @@ def draft_counts(draft: draft_pb2_grpc.DraftStub | None) -> tuple[int, int]:
 TRACE_FIELDS = ("step", "batch_size", "prefill_tokens", "speculated", "tree_budget",
                 "committed_tokens", "period_s", "total_s", "draft_s", "forward_s", "waiting",
                 "draft_compute_s", "draft_input_tokens", "finished_prompt_tokens",
-                "finished_generated_tokens")
+                "finished_generated_tokens", "finished_requests", "held_sequences")
 
 
 def write_trace(path: Path | None, concurrency: int, mode: str, run: int,

@@ -78,6 +78,7 @@ class StandInRunner:
     last_graphed = True
     copy_slots = ModelRunner.copy_slots
     read_features = ModelRunner.read_features
+    feature_row_bytes = ModelRunner.feature_row_bytes
 
     def __init__(self, num_pages: int, launch_calls: int = 0, device_s: float = 0.0) -> None:
         self.cache = KVCache(1, num_pages, PAGE, 1, 8, torch.bfloat16, "cpu")
@@ -103,6 +104,9 @@ class StandInDraft:
 
     def __init__(self) -> None:
         self._replies: list[draft_pb2.DraftReply] = []
+
+    def feature_slot(self, size: int) -> None:
+        """No feature memory: a stand-in takes what features it is sent with the request."""
 
     def send(self, request: draft_pb2.DraftRequest, features: object = None) -> Sent:
         self._replies.append(draft_pb2.DraftReply(step=request.step, trees=[

@@ -196,7 +196,8 @@ class Engine:
         self._step = 0
         self._draft_compute_s = 0.0
         self._draft_input_tokens = 0
-        self._finished = [0, 0]  # prompt and generated tokens of the requests that ended
+        # the requests that ended since the last stats: their prompt and generated tokens, count
+        self._finished = [0, 0, 0]
         # since the last step's stats
         self._period_start: float | None = None  # end of the last step or of a wait for work
         self._step_traceparent = b""
@@ -451,6 +452,7 @@ class Engine:
         self.scheduler.admit()
         prefill = self.scheduler.prefill_batch(self.limits.max_prefill_tokens)
         decode = self.scheduler.decode_batch()
+        held = len(self.scheduler.running) + len(self.scheduler.waiting)
         if not prefill and not decode:
             self._flush()  # cancellations still answer
             return
@@ -485,8 +487,9 @@ class Engine:
             committed_tokens=committed, graphed=self.runner.last_graphed,
             first_child_accepted=first_child_counts(decode, trees, result.accepted, kept),
             finished_prompt_tokens=self._finished[0],
-            finished_generated_tokens=self._finished[1])
-        self._finished = [0, 0]
+            finished_generated_tokens=self._finished[1], finished_requests=self._finished[2],
+            held_sequences=held)
+        self._finished = [0, 0, 0]
         self._record_step(self.last_stats, span)
         span.end()
 
@@ -831,6 +834,7 @@ class Engine:
             return
         self._finished[0] += len(seq.prompt_ids)
         self._finished[1] += len(seq.tokens) - len(seq.prompt_ids)
+        self._finished[2] += 1
         self.scheduler.finish(seq)
         self.totals.merge(seq.spec)
         if seq.span is not None:

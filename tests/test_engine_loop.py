@@ -446,23 +446,26 @@ def test_step_stats_count_the_tokens_each_step_sent_the_draft(early):
 
 
 def test_step_stats_count_the_prompt_and_generated_tokens_of_the_requests_that_ended():
-    """finished_prompt_tokens and finished_generated_tokens: each request's once, in the stats
-    of the step that ended it (the adaptive policy's prompt tokens per committed token)."""
+    """finished_prompt_tokens, finished_generated_tokens and finished_requests: each
+    request's once, in the stats of the step that ended it (the adaptive policy's prompt
+    tokens per committed token); held_sequences: those the target held as the step began,
+    prefilling ones too."""
     with running_engine(NullRunner(), PagePool(8)) as engine:
         stream, outbox = engine.open_stream()
         for request_id, prompt, max_new in ((1, [3, 1, 4, 1, 5], 4), (2, [2, 7, 1], 2)):
             engine.submit(stream, target_pb2.ServeRequest(admit=target_pb2.Admit(
                 request_id=request_id, prompt_ids=prompt, max_new_tokens=max_new)))
-        ended: dict[int, tuple[int, int]] = {}  # step -> (prompt, generated) reported
+        ended: dict[int, tuple[int, ...]] = {}  # step -> (prompt, generated, requests, held)
         finished_in: dict[int, int] = {}  # request -> the step whose events ended it
         while len(finished_in) < 2:
             event = outbox.get(timeout=10)
-            ended[event.stats.step] = (event.stats.finished_prompt_tokens,
-                                       event.stats.finished_generated_tokens)
+            stats = event.stats
+            ended[stats.step] = (stats.finished_prompt_tokens, stats.finished_generated_tokens,
+                                 stats.finished_requests, stats.held_sequences)
             finished_in |= {d.request_id: event.stats.step for d in event.deltas
                             if d.finish_reason}
     assert finished_in == {2: 2, 1: 4}  # both prefilled in step 1, one token each a step
-    assert ended == {1: (0, 0), 2: (3, 2), 3: (0, 0), 4: (5, 4)}
+    assert ended == {1: (0, 0, 0, 2), 2: (3, 2, 1, 2), 3: (0, 0, 0, 1), 4: (5, 4, 1, 1)}
 
 
 def test_an_early_request_for_another_shape_is_asked_again():
