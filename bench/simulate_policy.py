@@ -122,6 +122,50 @@ def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], Adapti
     return lines
 
 
+def batch_lines(paths: list[Path]) -> list[str]:
+    """Per timed run of the traces: its throughput against its tokens per second per
+    decoding sequence (what the adaptive policy compares), and the mean decode batch at its
+    number of streams. At a fixed number of streams a mode that ends requests sooner decodes
+    fewer sequences a step: each ended request's stream is out of the batch a few steps
+    (docs/benchmarks.md, thirty-fifth part). Where the trace has ``finished_requests`` (and
+    ``held_sequences``), also the requests ended a step, their generated tokens each, and the
+    steps each one's stream was out of the batch (of them at the target: prefilling or
+    waiting for cache space)."""
+    lines = []
+    for path in paths:
+        for run in _read_runs(path):
+            if run["run"] < 0:
+                continue
+            ix = {name: i for i, name in enumerate(run["fields"])}
+            steps = run["steps"]
+            decode = [s for s in steps if s[ix["batch_size"]]]
+            if not decode:
+                continue
+            streams, n = run["concurrency"], len(decode)
+            seconds = sum(s[ix["period_s"]] for s in steps)
+            tok_s = sum(s[ix["committed_tokens"]] for s in steps) / seconds
+            per_seq = (sum(s[ix["committed_tokens"]] / s[ix["batch_size"]] for s in decode)
+                       / sum(s[ix["period_s"]] for s in decode))
+            batch = sum(s[ix["batch_size"]] for s in decode) / n
+            budgets = Counter(s[ix["tree_budget"]] if s[ix["speculated"]] else 0 for s in decode)
+            used = ", ".join(f"{b or 'off'} {c / n:.0%}" for b, c in sorted(budgets.items()))
+            line = (f"{streams} streams, {run['mode']} run {run['run']} ({used}): {n} decode "
+                    f"steps, {seconds:.2f} s, {tok_s:.0f} tok/s, {per_seq:.1f} tok/s a decoding "
+                    f"sequence, mean batch {batch:.1f}")
+            ended = sum(s[ix["finished_requests"]] for s in steps) if "finished_requests" in ix \
+                else 0
+            if ended:
+                per_step = ended / n
+                generated = sum(s[ix["finished_generated_tokens"]] for s in steps) / ended
+                line += (f"; {per_step:.2f} requests ended a step, {generated:.1f} tokens each, "
+                         f"{(streams - batch) / per_step:.1f} steps out of the batch each")
+                if "held_sequences" in ix:
+                    held = sum(s[ix["held_sequences"]] - s[ix["batch_size"]] for s in decode) / n
+                    line += f" ({held / per_step:.1f} at the target)"
+            lines.append(line)
+    return lines
+
+
 def smooth(values: list[float], window: int) -> list[float]:
     """The mean of each value's centred window (shorter at the ends)."""
     sums = [0.0]
@@ -291,7 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unknown-cost-us", type=float, default=0.0,
                         help="the policy's unknown_cost: microseconds of draft wait a token "
                              "sent, for a budget whose own cost is not known yet (default 0)")
+    parser.add_argument("--batches", action="store_true",
+                        help="instead: per timed run, its throughput against its tokens per "
+                             "second per decoding sequence, its mean decode batch and (where "
+                             "the trace has them) how long an ended request's stream was out "
+                             "of the batch")
     args = parser.parse_args(argv)
+    if args.batches:
+        for line in batch_lines(args.traces):
+            print(line)
+        return 0
     if args.steps <= args.settle or min(args.seeds, args.window) < 1:
         parser.error("--steps must exceed --settle, and --seeds and --window be >= 1")
     if args.unknown_cost_us < 0:

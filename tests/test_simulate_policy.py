@@ -283,3 +283,27 @@ def test_a_mode_left_is_probed_again_no_sooner_than_its_catch_up_allows():
 
     assert chain_interval_after_leaving_it() >= 500
     assert chain_interval_after_leaving_it(probe_share=1.0) < 300
+
+
+def test_batches_tells_throughput_from_the_rate_a_decoding_sequence(tmp_path, capsys):
+    """--batches: at 5 streams, a run whose steps decode 3 sequences (two streams are out of
+    the batch, one of them held by the target) and end one request of 6 tokens every 2
+    steps: its throughput is 3/5 of 5 times its rate a decoding sequence, and each ended
+    request's stream was out 4 steps, 2 of them at the target."""
+    fields = [*TRACE_FIELDS, "first_child_accepted"]
+    rows = []
+    for i in range(10):
+        row = dict.fromkeys(TRACE_FIELDS, 0) | {
+            "step": i, "batch_size": 3, "committed_tokens": 3, "period_s": 0.01,
+            "finished_requests": i % 2, "finished_generated_tokens": 6 * (i % 2),
+            "held_sequences": 4}
+        rows.append([row[name] for name in TRACE_FIELDS] + [[]])
+    lines = [json.dumps({"concurrency": 5, "mode": mode, "run": run, "fields": fields,
+                         "steps": rows}) for mode, run in (("OFF", -1), ("OFF", 0))]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert sp.main([str(path), "--batches"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "5 streams, OFF run 0 (off 100%): 10 decode steps, 0.10 s, 300 tok/s, 100.0 tok/s a "
+        "decoding sequence, mean batch 3.0; 0.50 requests ended a step, 6.0 tokens each, "
+        "4.0 steps out of the batch each (2.0 at the target)"]
