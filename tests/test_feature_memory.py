@@ -132,10 +132,11 @@ def draft():
         server.stop(None)
 
 
-def open_link(address: str, memory_bytes: int) -> DraftLink:
+def open_link(address: str, memory_bytes: int, pin: bool = False) -> DraftLink:
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     info = draft_pb2.DraftInfo(needs_hidden_states=True)
-    return DraftLink(address, channel, info, timeout_s=5.0, feature_memory_bytes=memory_bytes)
+    return DraftLink(address, channel, info, timeout_s=5.0, feature_memory_bytes=memory_bytes,
+                     pin_features=pin)
 
 
 def request_of(step: int, counts: list[int]) -> tuple[draft_pb2.DraftRequest, Features]:
@@ -191,6 +192,25 @@ def test_features_written_into_a_slot_of_the_memory_reach_the_drafter(draft):
     finally:
         link.close()
     assert link.feature_slot(ROW) is None  # closed: no memory
+
+
+def test_a_gpu_targets_memory_that_cannot_be_locked_takes_the_features_staged(
+        draft, caplog, monkeypatch):
+    """A GPU target's link page-locks the segment; where that fails (here: made to), it
+    says why, offers no slots (a copy from the GPU into unlocked memory is slow) and puts
+    the features into the memory itself, as a CPU target's link without slots would."""
+    recorder, _, start = draft
+    monkeypatch.setattr(FeatureRing, "pin", lambda ring: "cudaHostRegister failed: (test)")
+    caplog.set_level(logging.INFO)
+    link = open_link(start(), CHECK_BYTES + 50 * ROW, pin=True)
+    try:
+        assert link.feature_memory and "cudaHostRegister failed: (test)" in caplog.text
+        assert link.feature_slot(4 * ROW) is None
+        request, features = request_of(1, [3, 4])
+        assert link.receive(link.send(request, features)).reply is not None
+        assert request.feature_memory and recorder.seen == expected(request, features)
+    finally:
+        link.close()
 
 
 def test_features_without_room_in_the_memory_travel_on_the_stream(draft):
