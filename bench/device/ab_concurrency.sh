@@ -11,8 +11,9 @@
 # to it (e.g. --replay-features --feature-memory-mb 256). Each sweep starts its own stack
 # (about 100 s before its first run); 1-2 concurrencies a tree fit a call for two trees.
 # Writes $OUT/ab_conc.log (everything printed), and per round and tree the results
-# ($OUT/conc_I_NAME.json) and step traces ($OUT/steps_I_NAME.jsonl.gz), which
-# bench/simulate_policy.py --replay reads.
+# (conc_I_NAME.json) and step traces (steps_I_NAME.jsonl.gz, which bench/simulate_policy.py
+# --replay and --batches read), packed into $OUT/ab_results.tar: the device tool brings back
+# at most 8 files, which two rounds of two trees would pass (tar -xf it here).
 set -uo pipefail
 source bench/device/setup.sh
 source bench/device/ab_trees.sh
@@ -42,4 +43,9 @@ for i in $(seq 1 "$rounds"); do
     done
 done
 grep -E "^==|: rc |^\| [0-9]|policy:" "$OUT/ab_conc.log" | grep -v -E " (INFO|WARNING) "
+packed=$(cd "$OUT" && ls conc_*.json steps_*.jsonl.gz 2>/dev/null)
+if [ -n "$packed" ]; then
+    # shellcheck disable=SC2086  # (the names are the script's own: no spaces)
+    (cd "$OUT" && tar -cf ab_results.tar $packed && rm -f $packed && ls -la ab_results.tar)
+fi
 save_kernel_cache
