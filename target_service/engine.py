@@ -189,6 +189,7 @@ class Engine:
         self.totals = SpecCounters()
         self.last_stats = target_pb2.StepStats()
         self._inbox: queue.Queue = queue.Queue()
+        self._deferred: list[object] = []  # inbox items a step left for the loop (_late_prompts)
         self._streams: dict[int, _Stream] = {}
         self._by_request: dict[tuple[int, int], Sequence] = {}
         self._stream_ids = itertools.count(1)
@@ -198,7 +199,6 @@ class Engine:
         self._draft_input_tokens = 0
         # the requests that ended since the last stats: their prompt and generated tokens, count
         self._finished = [0, 0, 0]
-        # since the last step's stats
         self._period_start: float | None = None  # end of the last step or of a wait for work
         self._step_traceparent = b""
         self._pending_releases: list[int] = []
@@ -252,7 +252,8 @@ class Engine:
     def is_idle(self) -> bool:
         """Thread-safe: no request in flight, none waiting to be admitted or refused, and
         no event left to hand to a stream."""
-        return not self._by_request and self._inbox.empty() and not self._pending
+        return (not self._by_request and self._inbox.empty() and not self._deferred
+                and not self._pending)
 
     def submit(self, stream_id: int, request: target_pb2.ServeRequest) -> None:
         self._inbox.put((stream_id, request))
@@ -342,20 +343,62 @@ class Engine:
             on_crash(exc)
 
     def _drain_inbox(self, block: bool) -> None:
+        deferred, self._deferred = self._deferred, []
+        for item in deferred:  # what the last step left, first (the inbox's order)
+            self._process(item)
         try:
-            item = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            item = (self._inbox.get(timeout=0.05) if block and not deferred
+                    else self._inbox.get_nowait())
         except queue.Empty:
+            if deferred:
+                self._flush()
             return
         while True:
-            if isinstance(item, _Call):
-                self._run_call(item)
-            else:
-                self._handle(*item)
+            self._process(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 break
         self._flush()  # admission errors are answered at once
+
+    def _process(self, item: object) -> None:
+        if isinstance(item, _Call):
+            self._run_call(item)
+        else:
+            self._handle(*item)
+
+    def _late_prompts(self, prefill: list[Sequence], span: object) -> list[Sequence]:
+        """Prompts admitted after the step began (while it waited for the draft), to prefill
+        in this step's forward rather than the next one's; they fit the step's prompt-token
+        budget beside ``prefill``. Under speculation a request that ends hands its last tokens
+        out at the next step's first wait, the draft's reply; the stream's next request
+        arrives during that wait and would otherwise sit out that step and prefill in the one
+        after (docs/benchmarks.md, thirty-fifth part). Only admissions are taken from the
+        inbox here, in order, up to its first item of another kind: that item and all after
+        it are left for the loop's drain between steps (a stream closed now would free pages
+        this step's forward uses; a call runs on the engine thread between steps)."""
+        took = False
+        while not self._deferred:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Call) or item[1] is None or not item[1].HasField("admit"):
+                self._deferred.append(item)
+                break
+            self._handle(*item)
+            took = True
+        if not took:
+            return []
+        self._flush()  # admission errors are answered at once
+        self.scheduler.admit()
+        late = [s for s in self.scheduler.prefill_batch(self.limits.max_prefill_tokens)
+                if s not in prefill]
+        if telemetry.enabled():
+            for seq in late:
+                if seq.span is not None:
+                    span.add_link(seq.span.get_span_context())
+        return late
 
     @staticmethod
     def _run_call(call: _Call) -> None:
@@ -462,6 +505,7 @@ class Engine:
         self._draft_input_tokens = 0
         self._step_traceparent = telemetry.traceparent(span)
         trees, budget = self._draft_trees(decode)
+        prefill += self._late_prompts(prefill, span)
         forward_start, forward_start_cpu = time.perf_counter(), time.thread_time()
         result = self._forward(prefill, decode, trees)
         forward_end = time.perf_counter()

@@ -703,3 +703,75 @@ def test_a_closed_streams_draft_shapes_go_with_it():
         after = engine.call(lambda: dict(engine._shapes))  # (the inbox is first in, first out)
     assert kept == {(stream, common_pb2.SPECULATION_MODE_AUTO, 1): CHAIN}, kept
     assert after == {}
+
+
+class ArrivingDraft(ChainDraft):
+    """ChainDraft during whose wait for a reply, at the engine steps in ``arrivals``, those
+    requests (stream, ServeRequest) reach the engine's inbox: requests that come while a step
+    waits for the draft."""
+
+    def __init__(self, arrivals: dict[int, list[tuple[int, target_pb2.ServeRequest]]]) -> None:
+        super().__init__()
+        self.arrivals = arrivals
+
+    def receive(self, sent: Sent) -> ExchangeResult:
+        for stream, request in self.arrivals.pop(self.engine._step, []):
+            self.engine.submit(stream, request)
+        return super().receive(sent)
+
+
+def admit(request_id: int, prompt: list[int], max_new: int) -> target_pb2.ServeRequest:
+    return target_pb2.ServeRequest(admit=target_pb2.Admit(
+        request_id=request_id, prompt_ids=prompt, max_new_tokens=max_new, ignore_eos=True,
+        speculation=ON))
+
+
+def deltas_by_step(outbox: queue.Queue, requests: int) -> tuple[dict, dict]:
+    """Until ``requests`` requests finished: each request's (step, tokens, finish) deltas, in
+    the order they came, and each step's stats."""
+    deltas: dict[int, list[tuple[int, list[int], int]]] = {}
+    stats: dict[int, target_pb2.StepStats] = {}
+    finished = 0
+    while finished < requests:
+        event = outbox.get(timeout=10)
+        stats[event.stats.step] = event.stats
+        for d in event.deltas:
+            deltas.setdefault(d.request_id, []).append(
+                (event.stats.step, list(d.token_ids), d.finish_reason))
+            finished += bool(d.finish_reason)
+    return deltas, stats
+
+
+def test_a_prompt_that_arrives_while_a_step_waits_for_the_draft_is_prefilled_in_that_step():
+    """Engine._late_prompts: request 2 reaches the inbox during step 3's wait for the draft;
+    step 3's forward prefills it beside request 1's verify, and its first token comes out with
+    step 3's (a step earlier than at the next step's admission), its output unchanged."""
+    draft = ArrivingDraft({})
+    with running_engine(NullRunner(), PagePool(8), draft, CHAIN) as engine:
+        stream, outbox = engine.open_stream()
+        draft.arrivals[3] = [(stream, admit(2, [2, 7, 1, 6], 5))]
+        engine.submit(stream, admit(1, [3, 1, 4], 12))
+        deltas, stats = deltas_by_step(outbox, 2)
+    assert deltas[2][0][:2] == (3, [7])  # prefilled in step 3, its first token then
+    assert stats[3].prefill_tokens == 4 and stats[3].batch_size == 1
+    assert [t for _, tokens, _ in deltas[2] for t in tokens] == [7] * 5
+    assert [t for _, tokens, _ in deltas[1] for t in tokens] == [7] * 12
+
+
+def test_only_the_admissions_before_another_kind_of_request_are_taken_during_a_step():
+    """During step 3's wait come: admit 2, cancel 1, admit 3. Admission 2 is prefilled in
+    step 3; the cancel and everything after it wait for the loop, in order: request 1 ends
+    cancelled at step 4's start, request 3 is prefilled in step 4."""
+    draft = ArrivingDraft({})
+    with running_engine(NullRunner(), PagePool(8), draft, CHAIN) as engine:
+        stream, outbox = engine.open_stream()
+        draft.arrivals[3] = [
+            (stream, admit(2, [2, 7], 4)),
+            (stream, target_pb2.ServeRequest(cancel=target_pb2.Cancel(request_id=1))),
+            (stream, admit(3, [5, 5, 5], 4))]
+        engine.submit(stream, admit(1, [3, 1, 4], 30))
+        deltas, stats = deltas_by_step(outbox, 3)
+    assert deltas[2][0][:2] == (3, [7]) and deltas[3][0][:2] == (4, [7])
+    assert deltas[1][-1][2] == common_pb2.FINISH_REASON_CANCELLED
+    assert stats[3].prefill_tokens == 2 and stats[4].prefill_tokens == 3
+    assert engine.is_idle()
