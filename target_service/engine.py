@@ -390,7 +390,8 @@ class Engine:
             took = True
         if not took:
             return []
-        self._flush()  # admission errors are answered at once
+        # (an admission refused here is answered with the step's events: handed out now, at a
+        # plain step they would leave before its forward's launch; see _flush)
         self.scheduler.admit()
         late = [s for s in self.scheduler.prefill_batch(self.limits.max_prefill_tokens)
                 if s not in prefill]

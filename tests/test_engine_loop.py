@@ -775,3 +775,17 @@ def test_only_the_admissions_before_another_kind_of_request_are_taken_during_a_s
     assert deltas[1][-1][2] == common_pb2.FINISH_REASON_CANCELLED
     assert stats[3].prefill_tokens == 2 and stats[4].prefill_tokens == 3
     assert engine.is_idle()
+
+
+def test_a_request_refused_while_a_step_waits_for_the_draft_is_answered():
+    """An admission taken during step 3's wait that cannot be served (a token outside the
+    vocabulary) ends with its error among the events the engine hands out next: in step 3,
+    after its forward's launch, with the last whole step's stats (step 2's)."""
+    draft = ArrivingDraft({})
+    with running_engine(NullRunner(), PagePool(8), draft, CHAIN) as engine:
+        stream, outbox = engine.open_stream()
+        draft.arrivals[3] = [(stream, admit(2, [2, 9], 4))]
+        engine.submit(stream, admit(1, [3, 1, 4], 6))
+        deltas, _ = deltas_by_step(outbox, 2)
+    assert deltas[2] == [(2, [], common_pb2.FINISH_REASON_ERROR)]
+    assert [t for _, tokens, _ in deltas[1] for t in tokens] == [7] * 6
