@@ -871,3 +871,27 @@ def test_chain_inputs_send_what_a_fresh_fill_would():
                 given = seq.features
                 expected = given.tensor() if isinstance(given, WireFeatures) else given
                 assert torch.equal(rows, expected.float())
+
+
+def test_an_eager_catch_up_takes_each_sequences_features_in_its_own_dtype(eagle):
+    """Drafter._features: two sequences caught up in one eager pass, one sending float32
+    features and the other bfloat16 (values exact in both) draft the trees they draft when
+    both send float32; the staged bytes are read back per sequence, each in its dtype."""
+    model = eagle.model
+    tokens = [fake_tokens(20, seed) for seed in (1, 2)]
+    exact = [fake_features(model, 20, seed).to(torch.bfloat16).float() for seed in (1, 2)]
+
+    def trees(dtypes: tuple[torch.dtype, torch.dtype]) -> list:
+        session = eagle.open_session()
+        try:
+            inputs = [seq_input(model, i + 1, 0, tokens[i], TREE, exact[i].to(dtype))
+                      for i, dtype in enumerate(dtypes)]
+            assert [item.dtype for item in inputs] == [str(d).removeprefix("torch.")
+                                                       for d in dtypes]
+            results = eagle.draft(session, inputs)
+        finally:
+            eagle.close_session(session)
+        assert all(r.error == "" for r in results)
+        return [r.tree for r in results]
+
+    assert trees((torch.float32, torch.bfloat16)) == trees((torch.float32, torch.float32))
