@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
+import torch
 
 from draft_service.drafter import (
     BaseDrafter,
@@ -72,6 +72,7 @@ from draft_service.models import REPLAY, DraftSpec, eagle3_entries
 from draft_service.tree_search import WireFeatures
 from splitspec.model.config import LlamaConfig, read_hf_config
 from splitspec.replay import ReplayRecord
+from splitspec.staging import reuse
 from splitspec.tokenizer import TOKENIZER_FILE, tokenizer_sha256
 from splitspec.tree import Tree
 
@@ -179,7 +180,7 @@ class ReplayDrafter(BaseDrafter):
         self.corrupt_rate = corrupt_rate
         self.feature_dim = feature_dim  # --replay-features: an EAGLE-3 head's feature width
         self.feature_bytes = 0          # features taken (and copied) since start
-        self._host = np.empty(0, dtype=np.uint8)  # where they are copied, reused
+        self._host = torch.empty(0, dtype=torch.uint8)  # where they are copied, reused
 
     def _new_state(self) -> ReplaySeq:
         return ReplaySeq()
@@ -203,9 +204,8 @@ class ReplayDrafter(BaseDrafter):
         """Copy the features once into a reused host buffer, as a head copies them into its
         staging buffer for the device (drafter.py's ``RowStaging``)."""
         size = len(wire.data)
-        if self._host.size < size:
-            self._host = np.empty(max(size, 2 * self._host.size), dtype=np.uint8)
-        self._host[:size] = wire.array().reshape(-1)
+        self._host = reuse(self._host, size, pin=False)
+        self._host.numpy()[:size] = wire.array().reshape(-1)
         self.feature_bytes += size
 
     def _follow(self, state: ReplaySeq, start: int) -> None:

@@ -41,6 +41,18 @@ class HostTwin:
             self._sent.record()
 
 
+def reuse(buffer: torch.Tensor, rows: int, pin: bool) -> torch.Tensor:
+    """``buffer``, a host buffer kept across calls, when it has ``rows`` rows; else a new one
+    of its row shape and dtype, at least twice as long (pinned with ``pin``), so that it is
+    rarely made again: memory just allocated is faulted in as it is first written, which on
+    the H200's host cost more than the copies themselves (docs/benchmarks.md, thirty-fifth
+    part)."""
+    if buffer.shape[0] >= rows:
+        return buffer
+    return torch.empty((max(rows, 2 * buffer.shape[0]), *buffer.shape[1:]), dtype=buffer.dtype,
+                       pin_memory=pin)
+
+
 class RowStaging:
     """Byte rows bound for ``device``, gathered into one host buffer that every call reuses
     (pinned on CUDA, grown as needed) and sent in one copy: the draft's eager catch-up's
@@ -60,9 +72,7 @@ class RowStaging:
         total = sum(part.nbytes for part in parts)
         if self._sent is not None:
             self._sent.synchronize()
-        if self._host.numel() < total:
-            self._host = torch.empty(max(total, 2 * self._host.numel()), dtype=torch.uint8,
-                                     pin_memory=self._cuda)
+        self._host = reuse(self._host, total, self._cuda)
         host = self._host.numpy()
         at = 0
         for part in parts:

@@ -22,6 +22,7 @@ from splitspec.cuda_graphs import StepGraphs
 from splitspec.kv_cache import KVCache
 from splitspec.model.layers import AttentionContext
 from splitspec.model.llama import LlamaForCausalLM
+from splitspec.staging import reuse
 from target_service.calls import CallChannel, ForwardBatch
 
 log = logging.getLogger(__name__)
@@ -38,7 +39,7 @@ class ModelRunner:
         self.device = device
         self.graphs: StepGraphs | None = None  # set by the capture_cuda_graphs step
         self.last_graphed = False  # whether the last forward replayed a graph
-        self._staging: torch.Tensor | None = None  # pinned rows for read_features
+        self._staging = torch.empty(0)  # pinned rows for read_features (splitspec.staging.reuse)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [len(logit_rows), V] float32; the captured features (``batch.capture``) go to
@@ -89,11 +90,9 @@ class ModelRunner:
             return out
         if rows.device.type != "cuda":
             return rows
-        if self._staging is None or self._staging.shape[0] < len(slots):
-            size = max(len(slots), 2 * (self._staging.shape[0] if self._staging is not None
-                                        else 0))
-            self._staging = torch.empty((size, rows.shape[1]), dtype=rows.dtype,
-                                        pin_memory=True)
+        if self._staging.shape[1:] != rows.shape[1:] or self._staging.dtype != rows.dtype:
+            self._staging = rows.new_empty((0, rows.shape[1]), device="cpu")
+        self._staging = reuse(self._staging, len(slots), pin=True)
         staging = self._staging[:len(slots)]
         staging.copy_(rows)  # (to the host: returns once it is there)
         return staging

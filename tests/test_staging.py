@@ -4,7 +4,7 @@ CPU here: plain memory)."""
 import numpy as np
 import torch
 
-from splitspec.staging import HostTwin, RowStaging
+from splitspec.staging import HostTwin, RowStaging, reuse
 
 
 def test_host_twin_reaches_its_target_only_when_sent():
@@ -30,3 +30,12 @@ def test_row_staging_sends_the_parts_in_order_and_each_result_is_its_own():
     assert second.tolist() == [7] * 20
     assert first.tolist() == [0, 1, 2, 3, 4, 5, 9, 9, 9, 9]  # not the reused buffer
     assert staging.send([]).numel() == 0
+
+
+def test_reuse_keeps_a_buffer_that_is_long_enough_and_at_least_doubles_one_that_is_not():
+    buffer = torch.empty((0, 3), dtype=torch.bfloat16)
+    first = reuse(buffer, 5, pin=False)
+    assert first.shape == (5, 3) and first.dtype == torch.bfloat16 and not first.is_pinned()
+    assert reuse(first, 4, pin=False) is first and reuse(first, 5, pin=False) is first
+    assert reuse(first, 6, pin=False).shape == (10, 3)   # twice as long
+    assert reuse(first, 13, pin=False).shape == (13, 3)  # or as long as asked
