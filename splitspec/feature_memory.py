@@ -18,12 +18,15 @@ arrived. The draft answers in order and copies the features out before it replie
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from collections import deque
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 CHECK_BYTES = 16  # the segment starts with these random bytes: the draft checks it opened ours
 
@@ -98,7 +101,11 @@ class FeatureRing:
         """Unlock and let the segment go: it is unmapped once no view of :attr:`array` is
         held (the draft's mapping keeps its pages until it lets go too)."""
         if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.array.ctypes.data)
+            cudart = torch.cuda.cudart()
+            error = cudart.cudaHostUnregister(self.array.ctypes.data)
+            if error != cudart.cudaError.success:  # (the pages stay locked until exit)
+                log.warning("cudaHostUnregister of the feature memory %s failed: %s",
+                            self.path, error)
             self.pinned = False
         self.array = np.empty(0, dtype=np.uint8)
         self._map = None

@@ -186,7 +186,7 @@ class DraftLink:
         return ring
 
     def _close_ring(self) -> None:
-        ring, self._ring = self._ring, None
+        ring, self._ring, self._direct = self._ring, None, False
         if ring is not None:
             ring.close()
 
