@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
-import sys
 import threading
 
 from draft_service.config import DraftConfig
@@ -13,6 +12,7 @@ from draft_service.startup import STEPS, build
 from splitspec import compile_watch, telemetry
 from splitspec.config_args import add_arguments, from_args
 from splitspec.init_report import InitFailed, Startup, fail_startup, write_report
+from splitspec.signals import leave, report_fatal_signals
 
 log = logging.getLogger("draft_service")
 
@@ -32,6 +32,7 @@ def parse_args(argv: list[str] | None) -> DraftConfig:
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s draft %(levelname)s %(message)s")
+    report_fatal_signals()
     telemetry.setup("draft")
     compile_watch.watch()  # Triton variants first met while serving get logged
     startup = Startup("draft", STEPS)
@@ -54,4 +55,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

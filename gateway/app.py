@@ -45,7 +45,7 @@ from splitspec.init_report import (
     fail_startup,
     write_report,
 )
-from splitspec.signals import StopSignals
+from splitspec.signals import StopSignals, report_fatal_signals
 from splitspec.tokenizer import ModelTokenizer, load_tokenizer
 from splitspec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
@@ -239,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     level = logging.getLevelName(str(args.log_level).upper())
     logging.basicConfig(level=level if isinstance(level, int) else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    report_fatal_signals()
     telemetry.setup("gateway")
     startup = Startup("gateway", STEPS)
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
 import threading
 import time
 
@@ -17,7 +16,7 @@ from splitspec import compile_watch, telemetry
 from splitspec.config_args import add_arguments, from_args
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import InitFailed, Startup, fail_startup, write_report
-from splitspec.signals import StopSignals
+from splitspec.signals import StopSignals, leave, report_fatal_signals
 from target_service.config import TargetConfig
 from target_service.engine import Engine
 from target_service.ranks import RankSet, free_address
@@ -85,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         run_rank(where.rank, None, cfg, where)
         return 0
     logging.basicConfig(level=cfg.log_level, format="%(asctime)s target %(levelname)s %(message)s")
+    report_fatal_signals()
     telemetry.setup("target")
     compile_watch.watch()  # Triton variants first met while serving get logged
     stop = threading.Event()  # the engine's loop ends
@@ -151,13 +151,13 @@ def main(argv: list[str] | None = None) -> int:
             logging.shutdown()
             os._exit(1)
         return 1
+    for thread in engine_threads:  # its last flush and the runner's stop, before we leave
+        thread.join(10.0)
     if ranks is not None:
-        for thread in engine_threads:
-            thread.join(10.0)
         ranks.join(10.0)
     telemetry.shutdown()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave(main())

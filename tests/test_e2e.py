@@ -8,6 +8,7 @@ what transformers' own greedy generate produces on the same checkpoint.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import signal
 import time
 
 import grpc
@@ -358,6 +359,27 @@ def test_each_service_stops_promptly_on_sigterm_with_its_streams_open(logs, firs
             service.proc.terminate()
             code, _ = service.wait_exit(timeout_s=15)
             assert code == 0, f"{service.module} exited {code}:\n{service.log}"
+    finally:
+        for service in stack:
+            service.stop()
+
+
+def test_a_service_that_crashes_in_native_code_logs_every_threads_stack(logs):
+    """SIGABRT (what a C++ std::terminate in gRPC or torch raises) to each service of a live
+    stack: its log shows every thread's Python stack, the target's engine thread among them,
+    not only the signal."""
+    stack = start_stack(logs, [], gateway_args=TREE)
+    try:
+        generate(gateway_stub(stack[-1]), PROMPTS[0], ON)
+        for service in reversed(stack):
+            service.proc.send_signal(signal.SIGABRT)
+            code, _ = service.wait_exit(timeout_s=15)
+            assert code == -signal.SIGABRT, service.log
+            log = service.log
+            assert "Fatal Python error: Aborted" in log, log
+            assert f"{service.module}/__main__.py" in log or "gateway/app.py" in log, log
+            if service.module == "target_service":
+                assert "target_service/engine.py" in log, log
     finally:
         for service in stack:
             service.stop()
