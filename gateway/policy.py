@@ -139,6 +139,9 @@ MIN_APART = 8  # tokens: the least difference of inputs between two steps whose 
 PROMPTS = 1024  # steps whose prompts and commits give the prompt tokens per committed token
 PREFILLS = 128  # steps per bucket and mode whose prompt tokens give what a prompt token costs
 VISITS = 1024  # decode steps whose buckets say which buckets the batch only passes through
+OUTS = 256  # decode steps per bucket and mode whose requests out of the batch give its steps out
+MIN_ENDED = 16  # requests ended in them below which a mode's steps out are its bucket's
+SETTLED = 3  # decode steps of a mode in a row before its requests out of the batch are its own
 
 
 def bucket_of(batch_size: int) -> int:
@@ -184,6 +187,8 @@ class _Bucket:
     # mode: (draft_input_tokens, draft_s) of its steps after one of the same mode
     prefills: defaultdict = field(default_factory=lambda: _deques(PREFILLS))  # per mode, off
     # too: (prefill_tokens, period_s - draft_s) of its steps after one of the same mode
+    outs: defaultdict = field(default_factory=lambda: _deques(OUTS))  # per mode, off too:
+    # (requests in flight out of the batch, requests ended) of its steps SETTLED into a run
     mode: int = 1             # the mode in use (until decided: the nearest decided bucket's)
     decided: bool = False     # judged at least one probe of its own
     probing: int = 0          # the mode of the current or last probe
@@ -303,6 +308,12 @@ class AdaptivePolicy:
     first step and at the first step back. A target that does not report
     draft_input_tokens leaves both as they were.
 
+    Rates are per request in flight, not per decoding sequence (:meth:`out_steps`): a
+    request that ends leaves its stream out of the batch for a few steps, so at a fixed
+    number of streams a mode that ends requests sooner decodes fewer sequences a step (the
+    gateway tells :meth:`observe` its requests in flight; without them, as from a replayed
+    trace, every rate is per decoding sequence as before).
+
     A bucket that has not yet judged a probe of its own follows the nearest
     bucket that has (the best mode changes slowly with the batch size), and
     first probes each other mode after ``first_probe`` steps of its own:
@@ -340,10 +351,11 @@ class AdaptivePolicy:
         self._last_size = 0
         self.buckets = {b: _Bucket() for b in BUCKETS}
         # per step: (prompt tokens prefilled, committed, finished requests' prompt tokens,
-        # and their generated tokens)
-        self._prompts: deque[tuple[int, int, int, int]] = deque(maxlen=PROMPTS)
-        self._prompt_sums = [0, 0, 0, 0]
+        # their generated tokens, and their number)
+        self._prompts: deque[tuple[int, int, int, int, int]] = deque(maxlen=PROMPTS)
+        self._prompt_sums = [0, 0, 0, 0, 0]
         self._last_mode: int | None = None  # the last decode step's
+        self._run = 0  # decode steps in a row of the last decode step's mode
         self._policy = self._build()
 
     @property
@@ -359,11 +371,16 @@ class AdaptivePolicy:
             return 1
         return self._by_budget.get(stats.tree_budget)
 
-    def observe(self, stats: target_pb2.StepStats) -> target_pb2.SpecPolicy | None:
-        """Learn from one decode step; returns the new policy when it changed."""
+    def observe(self, stats: target_pb2.StepStats,
+                in_flight: int | None = None) -> target_pb2.SpecPolicy | None:
+        """Learn from one decode step; returns the new policy when it changed. ``in_flight``:
+        the requests the gateway had sent the target and not yet seen end, as the step's
+        stats came (after its final deltas); without it, requests out of the batch are not
+        counted (:meth:`out_steps`)."""
         mode = self._mode_of(stats)
         self._count_prompts((stats.prefill_tokens, stats.committed_tokens,
-                             stats.finished_prompt_tokens, stats.finished_generated_tokens))
+                             stats.finished_prompt_tokens, stats.finished_generated_tokens,
+                             stats.finished_requests))
         if stats.batch_size == 0 or stats.period_s <= 0 or mode is None:
             return None  # prompts alone say nothing about decode speed
         size = bucket_of(stats.batch_size)
@@ -403,6 +420,10 @@ class AdaptivePolicy:
             if mode:
                 bucket.inputs[mode].append((stats.draft_input_tokens, stats.draft_s))
             bucket.prefills[mode].append((stats.prefill_tokens, stats.period_s - stats.draft_s))
+        self._run = self._run + 1 if mode == self._last_mode else 1
+        if in_flight is not None and self._run > SETTLED:
+            out = max(in_flight + stats.finished_requests - stats.batch_size, 0)
+            bucket.outs[mode].append((out, stats.finished_requests))
         self._last_mode = mode
         if mode and stats.first_child_accepted:
             self._chain_gains(bucket, mode, stats)
@@ -427,7 +448,7 @@ class AdaptivePolicy:
                 accepted = sum(stats.first_child_accepted[:length])
                 bucket.gains[m].append(accepted / stats.batch_size)
 
-    def _count_prompts(self, counts: tuple[int, int, int, int]) -> None:
+    def _count_prompts(self, counts: tuple[int, int, int, int, int]) -> None:
         if len(self._prompts) == PROMPTS:
             for i, old in enumerate(self._prompts[0]):
                 self._prompt_sums[i] -= old
@@ -444,10 +465,44 @@ class AdaptivePolicy:
         a wave of prompts before their requests generate a token: 1.75 against 1.33 at the
         first probes of a benchmark whose streams start together, which overstates what a
         steady speculative run sends the draft (docs/benchmarks.md, thirty-third part)."""
-        prompt, committed, finished_prompt, finished_generated = self._prompt_sums
+        prompt, committed, finished_prompt, finished_generated, _ = self._prompt_sums
         if finished_generated:
             return finished_prompt / finished_generated
         return prompt / committed if committed else 0.0
+
+    @property
+    def tokens_per_request(self) -> float:
+        """Tokens a request generates, on average over those that ended in the last PROMPTS
+        steps (0 before any ended, or from a target that does not report them)."""
+        generated, ended = self._prompt_sums[3:]
+        return generated / ended if ended else 0.0
+
+    def out_steps(self, bucket: _Bucket, mode: int) -> float:
+        """Steps of ``mode`` a request is out of the decode batch at its bucket, on average:
+        the requests in flight that a step did not decode (arriving, prefilling, waiting for
+        the target, or ended there and not yet answered) over the requests that ended, per
+        step (Little's law), from its last OUTS steps at least SETTLED into a run of it (a
+        step earlier counts requests the mode before it ended). With fewer than MIN_ENDED
+        requests ended in them, every mode's steps of the bucket; with fewer still, 0.
+
+        Each request that ends leaves its stream out of the batch for a few steps, so at a
+        fixed number of streams (or a fixed request latency) a mode that ends requests
+        sooner decodes fewer sequences a step: at 64 streams on an H200 the 3-token chain's
+        steps decoded 54.3 sequences against plain decoding's 61.4, and the chain, 2 % ahead
+        per decoding sequence, ran at 0.89 of plain decoding (docs/benchmarks.md,
+        thirty-fifth part). The steps at the target count (a prompt's prefill, the one in
+        which a step's last tokens go out), the client's own pause between requests does
+        not: it is time, the same in every mode. A target that other gateways share decodes
+        their sequences too, so this gateway counts too few out (at worst none: per decoding
+        sequence, as without the count)."""
+        def totals(series: Collection[deque]) -> tuple[int, int]:
+            return (sum(out for d in series for out, _ in d),
+                    sum(ended for d in series for _, ended in d))
+
+        out, ended = totals([bucket.outs[mode]] if mode in bucket.outs else [])
+        if ended < MIN_ENDED:
+            out, ended = totals(list(bucket.outs.values()))
+        return out / ended if ended >= MIN_ENDED else 0.0
 
     def input_cost(self, mode: int | None = None) -> float:
         """Seconds of draft wait per token sent to the draft by ``mode`` (a budget's index;
@@ -581,8 +636,10 @@ class AdaptivePolicy:
         return sum(gains) / len(gains) if gains else 0.0
 
     def _rate(self, bucket: _Bucket, mode: int, samples: list[Sample], cost: float) -> float:
-        """Tokens per second per sequence of ``mode``: step times from the samples, tokens
-        per speculative step from that budget's last GAINS steps. Each step's time is
+        """Tokens per second per request in flight of ``mode``: step times from the samples,
+        tokens per speculative step from that budget's last GAINS steps, times the share of
+        a request's steps that decode it (L / g of L / g + :meth:`out_steps`, with L its
+        tokens and g a step's; 1 where neither is known). Each step's time is
         restated for the prompts a steady run prefills (prompt_ratio prompt tokens per
         committed token) at the mode's :meth:`prefill_cost` a token: prompts arrive when
         requests end, and a probe of a few steps, or the steps around it, may see a wave of
@@ -607,7 +664,11 @@ class AdaptivePolicy:
                   for t, s in zip(periods, samples, strict=True)]
         if sum(steady) > 0:
             periods = steady
-        return (1 + self._gain(bucket, mode)) * len(periods) / sum(periods)
+        per_step = 1 + self._gain(bucket, mode)
+        # a request's L / per_step decoding steps come with out_steps more of the mode's
+        length = self.tokens_per_request
+        decoding = 1 / (1 + self.out_steps(bucket, mode) * per_step / length) if length else 1.0
+        return per_step * len(periods) / sum(periods) * decoding
 
     def _judge(self, bucket: _Bucket, size: int) -> None:
         """A probe and the steps after it ended: its paired ratio, and the decision on the
@@ -645,11 +706,14 @@ class AdaptivePolicy:
         if log.isEnabledFor(logging.DEBUG):
             costs = ", ".join(f"{describe_mode(self.modes[m])} {c * 1e6:.1f} us"
                               for m, c in sorted(per_token.items()))
+            outs = ", ".join(f"{describe_mode(self.modes[m])} {self.out_steps(bucket, m):.1f}"
+                             for m in sorted({bucket.mode, other}))
             log.debug("batch <= %d: a probe of %s judged at %.3f of %s (%.1f vs %.1f tok/s "
-                      "per sequence; cost a token sent: %s; %.2f prompt tokens per committed "
-                      "one)", size, describe_mode(self.modes[other]), theirs / mine,
+                      "per request in flight; cost a token sent: %s; %.2f prompt tokens per "
+                      "committed one; %.1f tokens a request, steps out of the batch: %s)", size,
+                      describe_mode(self.modes[other]), theirs / mine,
                       describe_mode(self.modes[bucket.mode]), theirs, mine, costs or "none",
-                      self.prompt_ratio)
+                      self.prompt_ratio, self.tokens_per_request, outs)
         # a speculative mode in use is left only once its tokens per step are known
         known = self._gains_known(bucket, 0)
         favoured = mean > 1 + self.margin
@@ -662,8 +726,8 @@ class AdaptivePolicy:
             hinges = self._hinges_on_unknown_cost(bucket, other, mine)
             self._switch(bucket, other)
             new, old = describe_mode(self.modes[other]), describe_mode(self.modes[was])
-            log.info("batch <= %d: speculation %s, was %s (%.1f vs %.1f tok/s per sequence in "
-                     "the last probe, mean ratio %.2f over %d probe(s), at mean batch %.1f "
+            log.info("batch <= %d: speculation %s, was %s (%.1f vs %.1f tok/s per request in "
+                     "flight in the last probe, mean ratio %.2f over %d probe(s), at mean batch %.1f "
                      "(%s) and %.1f (%s))", size, new, old, theirs, mine, mean,
                      len(bucket.ratios[was]), _mean(bucket.batches[other]), new,
                      _mean(bucket.batches[was]), old)

@@ -150,10 +150,11 @@ class TargetClient:
 
     def __init__(self, peer: TargetPeer, tokenizer: ModelTokenizer, policy: target_pb2.SpecPolicy,
                  listener: TargetListener,
-                 on_step: Callable[[target_pb2.StepStats], target_pb2.SpecPolicy | None] | None = None
-                 ) -> None:
+                 on_step: Callable[[target_pb2.StepStats, int], target_pb2.SpecPolicy | None]
+                 | None = None) -> None:
         """Open the Serve stream and send ``policy`` first. ``on_step`` sees every step's
-        statistics and may return a new policy to send (the adaptive policy)."""
+        statistics, with the requests in flight once the step's final deltas are handed
+        out, and may return a new policy to send (the adaptive policy)."""
         self._on_step = on_step
         self._lock = threading.Lock()
         self._tokenizer = tokenizer
@@ -259,7 +260,9 @@ class TargetClient:
             sink(delta)
         if event.HasField("stats"):
             self.last_step = event.stats
-            new_policy = self._on_step(event.stats) if self._on_step else None
+            with self._lock:
+                in_flight = len(self._inflight)
+            new_policy = self._on_step(event.stats, in_flight) if self._on_step else None
             if new_policy is not None:
                 log.info("speculation policy now: %s", describe_policy(new_policy))
                 self.set_policy(new_policy)
