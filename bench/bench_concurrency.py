@@ -507,18 +507,20 @@ TRACE_FIELDS = ("step", "batch_size", "prefill_tokens", "speculated", "tree_budg
 
 
 def write_trace(path: Path | None, concurrency: int, mode: str, run: int,
-                steps: list[target_pb2.StepStats]) -> None:
+                stats: RunStats) -> None:
     """Append one run's steps to the --step-trace file: a JSON line with the TRACE_FIELDS of
-    each step (and its first_child_accepted); run -1 is a warm-up."""
+    each step (and its first_child_accepted), and beside them each step's requests in flight
+    as the policy was told them (``in_flight``); run -1 is a warm-up."""
     if path is None:
         return
     rows = [[round(v, 7) if isinstance(v, float) else v  # 0.1 us: the clock's, not float's
              for v in (getattr(s, name) for name in TRACE_FIELDS)]
-            + [list(s.first_child_accepted)] for s in steps]
+            + [list(s.first_child_accepted)] for s in stats.steps]
     with path.open("a") as out:
         out.write(json.dumps({"concurrency": concurrency, "mode": mode, "run": run,
                               "fields": [*TRACE_FIELDS, "first_child_accepted"],
-                              "steps": rows}, separators=(",", ":")) + "\n")
+                              "steps": rows, "in_flight": stats.in_flight},
+                             separators=(",", ":")) + "\n")
 
 
 def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
@@ -554,7 +556,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         for _ in range(args.warmup):
             for mode in warm_modes:
                 stats = run_target(stub, prompts, lengths, runs[mode], concurrency)
-                write_trace(args.step_trace, concurrency, mode, -1, stats.steps)
+                write_trace(args.step_trace, concurrency, mode, -1, stats)
                 entry["warmup_tokens_per_s"][mode].append(stats.tokens_per_s)
                 print(f"warm-up: concurrency {concurrency}, {mode}: {stats.tokens_per_s:.1f} "
                       f"tok/s ({stats.wall_s:.1f} s, not counted); "
@@ -575,7 +577,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
             for mode in modes:  # interleaved, so drift hits all alike
                 trees, misses = draft_counts(draft)
                 stats = run_target(stub, prompts, lengths, runs[mode], concurrency)
-                write_trace(args.step_trace, concurrency, mode, repeat, stats.steps)
+                write_trace(args.step_trace, concurrency, mode, repeat, stats)
                 entry["tokens_per_s"][mode].append(stats.tokens_per_s)
                 entry["steady_tokens_per_s"][mode].append(steady_tokens_per_s(stats))
                 entry["wall_s"][mode].append(stats.wall_s)

@@ -59,6 +59,8 @@ class RunStats:
     tokens: int = 0
     wall_s: float = 0.0
     steps: list[target_pb2.StepStats] = field(default_factory=list)
+    in_flight: list[int] = field(default_factory=list)  # per step: the requests admitted and
+    # not yet ended once its final deltas were read (what the gateway tells the policy)
     verify_steps: int = 0
     accepted: int = 0
     reached_by_depth: list[float] = field(default_factory=list)   # weighted by verify steps
@@ -130,19 +132,23 @@ def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_n
     events = stub.Serve(iter(requests.get, None))
     seen_steps = set()
     for event in events:
-        if event.stats.step not in seen_steps:
-            seen_steps.add(event.stats.step)
-            stats.steps.append(event.stats)
-            changed = adaptive.observe(event.stats) if adaptive is not None else None
-            if changed is not None:
-                requests.put(target_pb2.ServeRequest(policy=changed))
+        ended = 0
         for delta in event.deltas:
             stats.tokens += len(delta.token_ids)
             if delta.finish_reason:
                 stats.add_request(delta.spec)
-                done += 1
-                if pending:
-                    admit_next()
+                ended += 1
+        done += ended
+        if event.stats.step not in seen_steps:  # after its final deltas, as the gateway
+            seen_steps.add(event.stats.step)
+            in_flight = len(prompts) - len(pending) - done
+            stats.steps.append(event.stats)
+            stats.in_flight.append(in_flight)
+            changed = adaptive.observe(event.stats, in_flight) if adaptive is not None else None
+            if changed is not None:
+                requests.put(target_pb2.ServeRequest(policy=changed))
+        for _ in range(min(ended, len(pending))):  # the clients' next requests
+            admit_next()
         if done == len(prompts):
             break
     stats.wall_s = time.perf_counter() - start

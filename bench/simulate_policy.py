@@ -81,15 +81,17 @@ def _read_runs(path: Path) -> list[dict[str, Any]]:
 
 
 def adaptive_steps(paths: list[Path], concurrency: int
-                   ) -> Iterator[tuple[int, int, target_pb2.StepStats]]:
+                   ) -> Iterator[tuple[int, int, target_pb2.StepStats, int | None]]:
     """The steps of the traces' adaptive runs at ``concurrency``, in the recorded order (the
-    untimed run first): (run, -1 untimed; the step's index in its run; the step)."""
+    untimed run first): (run, -1 untimed; the step's index in its run; the step; the
+    requests in flight the policy was told with it, None in a trace older than that)."""
     for path in paths:
         for run in _read_runs(path):
             if run["mode"] == "adaptive" and run["concurrency"] == concurrency:
-                for i, row in enumerate(run["steps"]):
+                in_flight = run.get("in_flight") or [None] * len(run["steps"])
+                for i, (row, count) in enumerate(zip(run["steps"], in_flight, strict=True)):
                     yield run["run"], i, target_pb2.StepStats(**dict(zip(run["fields"], row,
-                                                                         strict=True)))
+                                                                         strict=True))), count
 
 
 def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], AdaptivePolicy]
@@ -113,9 +115,9 @@ def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], Adapti
     logger.setLevel(logging.DEBUG)
     try:
         policy = make_policy()
-        for run, step, stats in adaptive_steps(paths, concurrency):
+        for run, step, stats, in_flight in adaptive_steps(paths, concurrency):
             where = (run, step)
-            policy.observe(stats)
+            policy.observe(stats, in_flight)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -130,7 +132,8 @@ def batch_lines(paths: list[Path]) -> list[str]:
     (docs/benchmarks.md, thirty-fifth part). Where the trace has ``finished_requests`` (and
     ``held_sequences``), also the requests ended a step, their generated tokens each, and the
     steps each one's stream was out of the batch (of them at the target: prefilling or
-    waiting for cache space)."""
+    waiting for cache space), and where it has each step's requests in flight, the steps
+    out that the adaptive policy learns from them (:meth:`AdaptivePolicy.out_steps`)."""
     lines = []
     for path in paths:
         for run in _read_runs(path):
@@ -162,6 +165,11 @@ def batch_lines(paths: list[Path]) -> list[str]:
                 if "held_sequences" in ix:
                     held = sum(s[ix["held_sequences"]] - s[ix["batch_size"]] for s in decode) / n
                     line += f" ({held / per_step:.1f} at the target)"
+                if run.get("in_flight"):  # what the policy learns (AdaptivePolicy.out_steps)
+                    out = sum(max(count + s[ix["finished_requests"]] - s[ix["batch_size"]], 0)
+                              for count, s in zip(run["in_flight"], steps, strict=True)
+                              if s[ix["batch_size"]])
+                    line += f", {out / ended:.1f} by the requests in flight"
             lines.append(line)
     return lines
 

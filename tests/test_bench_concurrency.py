@@ -238,6 +238,14 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         # every token but each prompt's first (its prefill's), in some step
         assert sum(s["committed_tokens"] for s in steps) == work - entry["num_prompts"]
         assert all(s["period_s"] > 0 for s in steps)
+    for run in runs:  # what the adaptive policy was told (and the others would have been)
+        steps = [dict(zip(run["fields"], row, strict=True)) for row in run["steps"]]
+        in_flight = run["in_flight"]
+        assert len(in_flight) == len(steps)
+        assert all(0 <= n <= run["concurrency"] for n in in_flight), in_flight
+        # a sequence a step decoded is still in flight after it, unless it ended there
+        assert all(n + s["finished_requests"] >= s["batch_size"]
+                   for n, s in zip(in_flight, steps, strict=True))
     header = table.read_text().splitlines()[0]
     assert f"{name} draft" in header
     assert "x 4-8 new tokens" in header and settings["new_tokens_spread"] == 0.5

@@ -200,7 +200,7 @@ def test_a_replay_of_recorded_adaptive_runs_makes_the_live_policys_decisions():
 
 def adaptive_steps(path: Path, concurrency: int) -> list[target_pb2.StepStats]:
     """The steps of a trace's adaptive runs at ``concurrency``, in the recorded order."""
-    return [stats for _, _, stats in sp.adaptive_steps([path], concurrency)]
+    return [stats for _, _, stats, _ in sp.adaptive_steps([path], concurrency)]
 
 
 def test_a_switch_judged_at_an_unknown_cost_is_judged_again_once_it_is_known():
@@ -289,7 +289,8 @@ def test_batches_tells_throughput_from_the_rate_a_decoding_sequence(tmp_path, ca
     """--batches: at 5 streams, a run whose steps decode 3 sequences (two streams are out of
     the batch, one of them held by the target) and end one request of 6 tokens every 2
     steps: its throughput is 3/5 of 5 times its rate a decoding sequence, and each ended
-    request's stream was out 4 steps, 2 of them at the target."""
+    request's stream was out 4 steps, 2 of them at the target; told the requests in flight,
+    the policy would count the 2 at the target."""
     fields = [*TRACE_FIELDS, "first_child_accepted"]
     rows = []
     for i in range(10):
@@ -298,12 +299,14 @@ def test_batches_tells_throughput_from_the_rate_a_decoding_sequence(tmp_path, ca
             "finished_requests": i % 2, "finished_generated_tokens": 6 * (i % 2),
             "held_sequences": 4}
         rows.append([row[name] for name in TRACE_FIELDS] + [[]])
+    in_flight = [4 - i % 2 for i in range(10)]  # the 4 held, but one that just ended
     lines = [json.dumps({"concurrency": 5, "mode": mode, "run": run, "fields": fields,
-                         "steps": rows}) for mode, run in (("OFF", -1), ("OFF", 0))]
+                         "steps": rows, "in_flight": in_flight})
+             for mode, run in (("OFF", -1), ("OFF", 0))]
     path = tmp_path / "trace.jsonl"
     path.write_text("\n".join(lines) + "\n")
     assert sp.main([str(path), "--batches"]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "5 streams, OFF run 0 (off 100%): 10 decode steps, 0.10 s, 300 tok/s, 100.0 tok/s a "
         "decoding sequence, mean batch 3.0; 0.50 requests ended a step, 6.0 tokens each, "
-        "4.0 steps out of the batch each (2.0 at the target)"]
+        "4.0 steps out of the batch each (2.0 at the target), 2.0 by the requests in flight"]
