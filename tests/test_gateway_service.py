@@ -13,6 +13,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.app import RunningGateway, start_gateway
+from gateway.policy import OFF, static_policy
+from gateway.target_client import TargetClient, connect_target
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.init_report import InitFailed, StepState
 from splitspec.tokenizer import load_tokenizer
@@ -386,3 +388,45 @@ def test_sigterm_drains_the_gateway_process(fake: tuple[FakeTarget, int], tmp_pa
         assert "gateway stopping: waiting up to 30 s for the requests in flight (1;" in gateway.log
     finally:
         gateway.stop()
+
+
+def test_each_step_reaches_the_policy_with_the_requests_still_in_flight(
+        fake: tuple[FakeTarget, int]) -> None:
+    """The adaptive policy counts a request's steps out of the batch from the requests in
+    flight the gateway tells it with each step: those sent and not yet ended once that
+    step's final deltas are handed out. Two requests of 4 and 8 tokens, 2 a step: at steps
+    1-4 the policy hears 2, 1 (the first ended there), 1 and 0."""
+    target, port = fake
+    tokenizer = load_tokenizer(BUILTIN_TARGET)
+    target.is_paused.set()  # both admitted before the first step
+    seen: list[tuple[int, int, int]] = []
+    ended = threading.Event()
+
+    def on_step(stats: target_pb2.StepStats, in_flight: int) -> None:
+        seen.append((stats.step, stats.batch_size, in_flight))
+
+    def sink(item: object) -> None:
+        if getattr(item, "request_id", 0) == 2 and item.finish_reason:  # type: ignore[union-attr]
+            ended.set()
+
+    client = TargetClient(connect_target(f"127.0.0.1:{port}", 10, tokenizer), tokenizer,
+                          static_policy(1, OFF), _Listener(), on_step=on_step)
+    try:
+        for request_id, max_new in ((1, 4), (2, 8)):
+            client.submit(target_pb2.Admit(request_id=request_id, prompt_ids=[5, 6],
+                                           max_new_tokens=max_new, ignore_eos=True), sink)
+        _wait_until(lambda: len(target.admits) == 2)
+        target.is_paused.clear()
+        assert ended.wait(5)
+        _wait_until(lambda: len(seen) == 4)
+    finally:
+        client.close()
+    assert seen == [(1, 2, 2), (2, 2, 1), (3, 1, 1), (4, 1, 0)]
+
+
+class _Listener:
+    def target_down(self) -> None:
+        pass
+
+    def target_up(self) -> None:
+        pass
