@@ -10,7 +10,11 @@ The target makes one segment per stream it opens: an anonymous memfd, which the 
 through ``/proc/<target pid>/fd/<fd>``. It goes when the target exits, so nothing is left
 behind, and a draft in another container or on another host cannot open it, which
 ``AttachFeatureMemory`` finds out before the stream is used; the features then travel on the
-stream. A fresh segment per stream means that a draft still reading for a stream the target
+stream. For a draft in another container on the same host, the target makes it instead as a
+file in a directory both see (``--feature-memory-dir``: a tmpfs volume both mount at the same
+path), and removes the file's name as soon as the draft has opened it (the first reply to a
+request that named it), so a target that dies leaves nothing behind there either. A fresh
+segment per stream means that a draft still reading for a stream the target
 gave up on never sees its features rewritten. Within a stream the requests' regions form a
 ring: a region is written again only after the reply to its request, or to a later one,
 arrived. The draft answers in order and copies the features out before it replies.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import tempfile
 from collections import deque
 
 import numpy as np
@@ -32,18 +37,31 @@ CHECK_BYTES = 16  # the segment starts with these random bytes: the draft checks
 
 
 class FeatureRing:
-    """The target's segment of ``size`` bytes, written as a ring of request regions."""
+    """The target's segment of ``size`` bytes, written as a ring of request regions: an
+    anonymous memfd, or with ``directory`` a file there (OSError when it cannot be made)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, directory: str = "") -> None:
         if size <= CHECK_BYTES:
             raise ValueError(f"feature memory of {size} bytes holds no features")
         self.size = size
-        self._fd = os.memfd_create("splitspec-features", os.MFD_CLOEXEC)
-        os.ftruncate(self._fd, size)
-        self._map = mmap.mmap(self._fd, size)
+        if directory:
+            self._fd, self.path = tempfile.mkstemp(prefix="splitspec-features-", dir=directory)
+        else:
+            self._fd = os.memfd_create("splitspec-features", os.MFD_CLOEXEC)
+            self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
+        self.named = bool(directory)  # a file whose name is still in its directory
+        try:
+            if directory:  # its pages now: a full tmpfs fails here, not with SIGBUS at a write
+                os.posix_fallocate(self._fd, 0, size)
+            else:
+                os.ftruncate(self._fd, size)
+            self._map = mmap.mmap(self._fd, size)
+        except OSError:  # (re-raised) a full or read-only directory: nothing left there
+            self.unlink()
+            os.close(self._fd)
+            raise
         self.array = np.frombuffer(self._map, dtype=np.uint8)  # the segment, writable
         self.pinned = False  # page-locked for CUDA (pin)
-        self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
         self.check = os.urandom(CHECK_BYTES)
         self._map[:CHECK_BYTES] = self.check
         self._held: deque[tuple[int, int, int]] = deque()  # (key, start, end), oldest first
@@ -97,6 +115,17 @@ class FeatureRing:
     def held_bytes(self) -> int:
         return sum(end - start for _, start, end in self._held)
 
+    def unlink(self) -> None:
+        """Remove a file segment's name from its directory (the draft has opened it, or never
+        will): the mappings keep its memory until they go. Nothing for a memfd."""
+        if not self.named:
+            return
+        self.named = False
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:  # removed by someone else: the memory stays ours
+            log.warning("the feature memory %s was already gone from its directory", self.path)
+
     def close(self) -> None:
         """Unlock and let the segment go: it is unmapped once no view of :attr:`array` is
         held (the draft's mapping keeps its pages until it lets go too)."""
@@ -107,6 +136,7 @@ class FeatureRing:
                 log.warning("cudaHostUnregister of the feature memory %s failed: %s",
                             self.path, error)
             self.pinned = False
+        self.unlink()
         self.array = np.empty(0, dtype=np.uint8)
         self._map = None
         os.close(self._fd)

@@ -62,6 +62,12 @@ class TargetConfig:
                                     "then need not travel on the draft stream; a request "
                                     "whose features do not fit sends them on the stream. "
                                     "0 = always on the stream")
+    feature_memory_dir: str = option("", "make that shared memory as a file in this directory "
+                                     "(its name removed once the draft has opened it), for a "
+                                     "draft that sees the directory at the same path but not "
+                                     "this process: a tmpfs volume mounted in both containers. "
+                                     "Default: an anonymous memfd, which only a draft in this "
+                                     "container can open")
     draft_timeout_s: float = option(2.0, "deadline of one draft exchange; past it the step decodes plainly")
     connect_timeout_s: float = option(120.0, "how long connect_draft waits for the draft to be SERVING")
     init_report: Path | None = option(None, "also write the JSON init report to this file")

@@ -93,16 +93,18 @@ class DraftLink:
     A reply is matched to its request by ``step``; a late reply to a request
     that already timed out is dropped. With ``feature_memory_bytes`` and a draft
     that needs features, each stream it opens gets a segment of that size
-    (:class:`FeatureRing`) if the draft can read it.
+    (:class:`FeatureRing`; a file in ``feature_memory_dir`` when given) if the draft can
+    read it.
     """
 
     def __init__(self, address: str, channel: grpc.Channel, info: draft_pb2.DraftInfo,
                  timeout_s: float, feature_memory_bytes: int = 0,
-                 pin_features: bool = False) -> None:
+                 pin_features: bool = False, feature_memory_dir: str = "") -> None:
         self.address = address
         self.info = info
         self.timeout_s = timeout_s
         self.feature_memory_bytes = feature_memory_bytes
+        self.feature_memory_dir = feature_memory_dir
         self.pin_features = pin_features  # a CUDA target: the segment page-locked
         self._direct = False  # whether feature_slot offers room in the segment
         self._stub = draft_pb2_grpc.DraftStub(channel)
@@ -113,15 +115,18 @@ class DraftLink:
         self._retry_at = 0.0
         self._ring: FeatureRing | None = None
         self._sent = self._answered = 0  # requests sent and replies read on this stream
+        self._named_at: int | None = None  # the first request naming a file segment: once
+        # it is answered, the draft has opened the file, and its name goes
         self._open()
 
     @classmethod
     def connect(cls, address: str, timeout_s: float, exchange_timeout_s: float,
-                feature_memory_bytes: int = 0, pin_features: bool = False) -> DraftLink:
+                feature_memory_bytes: int = 0, pin_features: bool = False,
+                feature_memory_dir: str = "") -> DraftLink:
         channel = wait_for_serving(address, timeout_s, "draft service")
         info = draft_pb2_grpc.DraftStub(channel).GetInfo(draft_pb2.GetDraftInfoRequest(), timeout=10)
         return cls(address, channel, info, exchange_timeout_s, feature_memory_bytes,
-                   pin_features)
+                   pin_features, feature_memory_dir)
 
     @property
     def feature_memory(self) -> str:
@@ -148,6 +153,7 @@ class DraftLink:
         if self.info.needs_hidden_states and self.feature_memory_bytes > 0:
             self._ring = self._attach_ring()
         self._sent = self._answered = 0
+        self._named_at = None
         self._requests = queue.Queue()
         self._replies = queue.Queue()
         requests = self._requests
@@ -158,11 +164,11 @@ class DraftLink:
     def _attach_ring(self) -> FeatureRing | None:
         """A new segment for the stream about to open, or None when the draft cannot read it
         (the features then travel on the stream; the log says why)."""
-        if not hasattr(os, "memfd_create"):  # not Linux
+        if not self.feature_memory_dir and not hasattr(os, "memfd_create"):  # not Linux
             log.info("draft features travel on the stream: no memfd_create on this system")
             return None
         try:
-            ring = FeatureRing(self.feature_memory_bytes)
+            ring = FeatureRing(self.feature_memory_bytes, self.feature_memory_dir)
         except OSError as exc:  # out of memory or file descriptors: the stream still works
             log.warning("draft features travel on the stream, not through shared memory: "
                         "%d bytes of it could not be made: %s", self.feature_memory_bytes, exc)
@@ -227,6 +233,8 @@ class DraftLink:
                 raise RuntimeError("features were written into the feature memory of a stream "
                                    "that send reopened (feature_slot offers none then)")
             place_features(request, features, self._ring, self._sent)
+            if request.feature_memory and self._ring.named and self._named_at is None:
+                self._named_at = self._sent
         self._requests.put(request)
         self._sent += 1
         return Sent(request.step, time.monotonic() + self.timeout_s, "", restarted)
@@ -249,6 +257,9 @@ class DraftLink:
             self._answered += 1
             if self._ring is not None:  # the draft has read the features of every request so far
                 self._ring.replied(self._answered - 1)
+                if self._named_at is not None and self._answered > self._named_at:
+                    self._ring.unlink()  # the draft holds the file open now
+                    self._named_at = None
             if item.step == sent.step:
                 return ExchangeResult(item, "", sent.restarted)
             log.info("dropping late draft reply for step %d", item.step)

@@ -25,6 +25,7 @@ import sys
 from collections.abc import Callable
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -117,6 +118,9 @@ def load_config(cfg: TargetConfig, where: Placement = ONE_RANK) -> Detailed:
     if cfg.num_draft_tokens > cfg.max_tree_nodes or cfg.topk < 1 or cfg.num_steps < 1:
         raise ValueError("--num-draft-tokens, --topk and --num-steps must be positive")
     cfg.verify_graph_sizes  # noqa: B018 (a bad --graph-tree-sizes fails here, not at capture)
+    if cfg.feature_memory_dir and not Path(cfg.feature_memory_dir).is_dir():
+        raise ValueError(f"--feature-memory-dir {cfg.feature_memory_dir} is not a directory "
+                         "(mount the volume the draft sees there, or leave the flag out)")
     spec = ModelSpec(model_cfg, tokenizer_sha256(cfg.model))
     return Detailed(spec, f"{cfg.model.name}: {model_cfg.num_layers} layers, vocab {model_cfg.vocab_size}")
 
@@ -240,7 +244,8 @@ def connect_draft(cfg: TargetConfig, spec: ModelSpec, cache: KVCache) -> Detaile
     captured layer inputs (EAGLE-3), ``cache`` keeps them for every slot from now on."""
     link = DraftLink.connect(cfg.draft, cfg.connect_timeout_s, cfg.draft_timeout_s,
                              cfg.feature_memory_mb * 2**20,
-                             pin_features=cache.data.device.type == "cuda")
+                             pin_features=cache.data.device.type == "cuda",
+                             feature_memory_dir=cfg.feature_memory_dir)
     info = link.info
     problems = draft_mismatches(info, spec)
     if problems:

@@ -153,6 +153,22 @@ def test_structure_and_references(stack):
     assert services["target"]["healthcheck"]["start_period"] in ("300s", "600s")
 
 
+@pytest.mark.parametrize("stack", ["gpu", "cpu"])
+def test_the_features_go_through_a_volume_the_draft_and_the_target_both_mount(stack):
+    """The target's --feature-memory-dir is where a tmpfs volume is mounted in both the
+    draft's container and its own: a memfd of the target's could not be opened from the
+    draft's container, and its features would travel on the stream."""
+    top = load(GPU)
+    services = top["services"] if stack == "gpu" else merged()
+    command = services["target"]["command"]
+    directory = command[command.index("--feature-memory-dir") + 1]
+    mounts = {name: {v.split(":")[1]: v.split(":")[0] for v in services[name]["volumes"]}
+              for name in ("draft", "target")}
+    volume = mounts["target"][directory]
+    assert mounts["draft"][directory] == volume
+    assert top["volumes"][volume]["driver_opts"] == {"type": "tmpfs", "device": "tmpfs"}
+
+
 # ---- the CPU stack's own command lines, run as local processes ------------------------------
 
 
@@ -166,6 +182,8 @@ def test_cpu_stack_command_lines_run_and_generate(tmp_path):
     from tests.stack import Service, free_port
 
     services = merged()
+    shared = tmp_path / "features"  # the tmpfs volume both mount: a directory here
+    shared.mkdir()
     ports = {}
     for name in ("draft", "target", "gateway"):
         command = defaults(services[name]["command"])
@@ -179,6 +197,8 @@ def test_cpu_stack_command_lines_run_and_generate(tmp_path):
                 host, _, port = arg.rpartition(":")
                 if i and argv[i - 1] == "--port":
                     arg = ports[arg]
+                elif i and argv[i - 1] == "--feature-memory-dir":
+                    arg = str(shared)
                 elif host in services:  # compose's DNS name of a service: this host here
                     arg = f"127.0.0.1:{ports[port]}"
                 local.append(arg)
@@ -191,6 +211,9 @@ def test_cpu_stack_command_lines_run_and_generate(tmp_path):
                 text="def add(a, b):\n", stopping=gateway_pb2.StoppingParams(
                     max_new_tokens=8, ignore_eos=True)), timeout=60)
         assert reply.usage.completion_tokens == 8
+        target = started[1]
+        assert f"draft features through shared memory {shared}/splitspec-features-" in target.log
+        assert list(shared.iterdir()) == []  # its name went once the draft had opened it
     finally:
         for service in reversed(started):
             service.stop()

@@ -6,6 +6,7 @@ has no room or the draft cannot read it, on the stream."""
 from __future__ import annotations
 
 import logging
+import os
 from concurrent import futures
 
 import grpc
@@ -132,11 +133,12 @@ def draft():
         server.stop(None)
 
 
-def open_link(address: str, memory_bytes: int, pin: bool = False) -> DraftLink:
+def open_link(address: str, memory_bytes: int, pin: bool = False, directory: str = ""
+              ) -> DraftLink:
     channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
     info = draft_pb2.DraftInfo(needs_hidden_states=True)
     return DraftLink(address, channel, info, timeout_s=5.0, feature_memory_bytes=memory_bytes,
-                     pin_features=pin)
+                     pin_features=pin, feature_memory_dir=directory)
 
 
 def request_of(step: int, counts: list[int]) -> tuple[draft_pb2.DraftRequest, Features]:
@@ -315,3 +317,43 @@ def test_memory_that_cannot_be_made_leaves_the_features_on_the_stream(draft, cap
         assert recorder.seen == expected(request, features)
     finally:
         link.close()
+
+
+def test_a_file_segment_leaves_its_directory_once_the_draft_has_opened_it(draft, tmp_path):
+    """--feature-memory-dir (a tmpfs volume two containers share): each stream's segment is
+    a file there, named to the draft, and its name goes with the first reply to a request
+    that used it; the features go on through it, and a reopened stream makes a new one."""
+    recorder, _, start = draft
+    address = start()
+    link = open_link(address, CHECK_BYTES + 50 * ROW, directory=str(tmp_path))
+    try:
+        path = link.feature_memory
+        assert path.startswith(f"{tmp_path}/splitspec-features-")
+        assert os.listdir(tmp_path) == [os.path.basename(path)]  # until the draft opens it
+        plain = draft_pb2.DraftRequest(step=0)  # names no memory: the file stays
+        assert link.receive(link.send(plain)).reply is not None
+        assert os.listdir(tmp_path) == [os.path.basename(path)]
+        for step in range(1, 8):  # it wraps
+            request, features = request_of(step, [step + 1, 3])
+            recorder.seen.clear()
+            assert link.receive(link.send(request, features)).reply is not None
+            assert request.feature_memory == path and recorder.seen == expected(request, features)
+            assert os.listdir(tmp_path) == []
+        link._break()  # as a broken stream: the next send reopens it, with a new segment
+        link._retry_at = 0.0
+        request, features = request_of(9, [2])
+        sent = link.send(request, features)
+        assert sent.restarted and link.feature_memory != path
+        assert link.receive(sent).reply is not None and os.listdir(tmp_path) == []
+        assert recorder.seen[-1:] == expected(request, features)
+    finally:
+        link.close()
+    assert os.listdir(tmp_path) == []
+    refused = open_link(start(NoMemory), 1 << 20, directory=str(tmp_path))
+    refused.close()
+    assert os.listdir(tmp_path) == []  # a draft that cannot attach leaves nothing either
+    gone = open_link(address, 1 << 20, directory=str(tmp_path / "missing"))
+    try:
+        assert gone.feature_memory == ""  # the features travel on the stream
+    finally:
+        gone.close()

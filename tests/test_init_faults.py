@@ -134,6 +134,21 @@ def test_bad_graph_tree_sizes_fail_load_config(sizes, message, draft, tmp_path):
     assert message in failed[0]["error_message"]
 
 
+def test_a_feature_memory_dir_that_is_not_there_fails_load_config(draft, tmp_path):
+    """A volume not mounted where --feature-memory-dir says is refused in the first step,
+    not found out when the first stream's features silently take the slow way."""
+    report = tmp_path / "report.json"
+    service = Service("target_service", ["--draft", draft.address, "--feature-memory-dir",
+                                         str(tmp_path / "missing"), "--init-report",
+                                         str(report)], tmp_path)
+    code, seen = service.wait_exit(timeout_s=60)
+    assert code != 0 and SERVING not in seen
+    failed = [s for s in json.loads(report.read_text())["steps"] if s["state"] == "FAILED"]
+    assert [s["name"] for s in failed] == ["load_config"]
+    assert f"--feature-memory-dir {tmp_path / 'missing'} is not a directory" in \
+        failed[0]["error_message"]
+
+
 def test_graph_tree_sizes_default_to_the_tree_and_the_small_chain():
     from target_service.config import TargetConfig
 
