@@ -728,9 +728,10 @@ class AdaptivePolicy:
             new, old = describe_mode(self.modes[other]), describe_mode(self.modes[was])
             log.info("batch <= %d: speculation %s, was %s (%.1f vs %.1f tok/s per request in "
                      "flight in the last probe, mean ratio %.2f over %d probe(s), at mean batch %.1f "
-                     "(%s) and %.1f (%s))", size, new, old, theirs, mine, mean,
-                     len(bucket.ratios[was]), _mean(bucket.batches[other]), new,
-                     _mean(bucket.batches[was]), old)
+                     "(%s) and %.1f (%s), a request out of the batch %.1f and %.1f steps)", size,
+                     new, old, theirs, mine, mean, len(bucket.ratios[was]),
+                     _mean(bucket.batches[other]), new, _mean(bucket.batches[was]), old,
+                     self.out_steps(bucket, other), self.out_steps(bucket, was))
             bucket.reference = theirs
             if hinges:
                 # The switch was judged at unknown_cost, which is optimistic, and at the
