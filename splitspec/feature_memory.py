@@ -65,6 +65,8 @@ class FeatureRing:
         self.check = os.urandom(CHECK_BYTES)
         self._map[:CHECK_BYTES] = self.check
         self._held: deque[tuple[int, int, int]] = deque()  # (key, start, end), oldest first
+        self._first_key: int | None = None  # the first request given room: the draft opens
+        # the segment when it reads that request, so a file's name goes with its reply
 
     def pin(self) -> str:
         """Page-lock the segment for CUDA, so that a GPU's copies write into it directly (at
@@ -94,6 +96,8 @@ class FeatureRing:
         start = self._room(size) if size else None
         if start is not None:
             self._held.append((key, start, start + size))
+            if self._first_key is None:
+                self._first_key = key
         return start
 
     def _room(self, size: int) -> int | None:
@@ -107,9 +111,13 @@ class FeatureRing:
         return last if last + size <= first else None  # wrapped: room between them only
 
     def replied(self, key: int) -> None:
-        """The reply to request ``key`` arrived: its region and earlier ones are free."""
+        """The reply to request ``key`` arrived: its region and earlier ones are free, and
+        once it answers the first request given room, a file's name goes (:meth:`unlink`:
+        the draft holds the file open since it read that request)."""
         while self._held and self._held[0][0] <= key:
             self._held.popleft()
+        if self.named and self._first_key is not None and key >= self._first_key:
+            self.unlink()
 
     @property
     def held_bytes(self) -> int:

@@ -115,8 +115,6 @@ class DraftLink:
         self._retry_at = 0.0
         self._ring: FeatureRing | None = None
         self._sent = self._answered = 0  # requests sent and replies read on this stream
-        self._named_at: int | None = None  # the first request naming a file segment: once
-        # it is answered, the draft has opened the file, and its name goes
         self._open()
 
     @classmethod
@@ -153,7 +151,6 @@ class DraftLink:
         if self.info.needs_hidden_states and self.feature_memory_bytes > 0:
             self._ring = self._attach_ring()
         self._sent = self._answered = 0
-        self._named_at = None
         self._requests = queue.Queue()
         self._replies = queue.Queue()
         requests = self._requests
@@ -233,8 +230,6 @@ class DraftLink:
                 raise RuntimeError("features were written into the feature memory of a stream "
                                    "that send reopened (feature_slot offers none then)")
             place_features(request, features, self._ring, self._sent)
-            if request.feature_memory and self._ring.named and self._named_at is None:
-                self._named_at = self._sent
         self._requests.put(request)
         self._sent += 1
         return Sent(request.step, time.monotonic() + self.timeout_s, "", restarted)
@@ -257,9 +252,6 @@ class DraftLink:
             self._answered += 1
             if self._ring is not None:  # the draft has read the features of every request so far
                 self._ring.replied(self._answered - 1)
-                if self._named_at is not None and self._answered > self._named_at:
-                    self._ring.unlink()  # the draft holds the file open now
-                    self._named_at = None
             if item.step == sent.step:
                 return ExchangeResult(item, "", sent.restarted)
             log.info("dropping late draft reply for step %d", item.step)

@@ -357,3 +357,19 @@ def test_a_file_segment_leaves_its_directory_once_the_draft_has_opened_it(draft,
         assert gone.feature_memory == ""  # the features travel on the stream
     finally:
         gone.close()
+
+
+def test_a_file_rings_name_goes_with_the_reply_to_the_first_request_given_room(tmp_path):
+    ring = FeatureRing(CHECK_BYTES + 64, str(tmp_path))
+    try:
+        ring.replied(0)  # a request that used no room: the draft has not opened the file
+        assert ring.named and os.listdir(tmp_path) == [os.path.basename(ring.path)]
+        assert ring.put(np.zeros(8, dtype=np.uint8), 3) == CHECK_BYTES
+        ring.replied(2)
+        assert ring.named
+        ring.replied(3)
+        assert not ring.named and os.listdir(tmp_path) == []
+        assert ring.put(np.ones(8, dtype=np.uint8), 4) is not None  # still writable
+    finally:
+        ring.close()
+    assert os.listdir(tmp_path) == []
