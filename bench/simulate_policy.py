@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gateway.policy import AdaptivePolicy, adaptive_shapes
+from gateway.policy import AdaptivePolicy, adaptive_shapes, requests_out
 from splitspec.v1 import common_pb2, target_pb2
 from target_service.engine import shape_for
 
@@ -166,7 +166,8 @@ def batch_lines(paths: list[Path]) -> list[str]:
                     held = sum(s[ix["held_sequences"]] - s[ix["batch_size"]] for s in decode) / n
                     line += f" ({held / per_step:.1f} at the target)"
                 if run.get("in_flight"):  # what the policy learns (AdaptivePolicy.out_steps)
-                    out = sum(max(count + s[ix["finished_requests"]] - s[ix["batch_size"]], 0)
+                    out = sum(requests_out(count, s[ix["finished_requests"]],
+                                           s[ix["batch_size"]])
                               for count, s in zip(run["in_flight"], steps, strict=True)
                               if s[ix["batch_size"]])
                     line += f", {out / ended:.1f} by the requests in flight"
@@ -347,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: per timed run, its throughput against its tokens per "
                              "second per decoding sequence, its mean decode batch and (where "
                              "the trace has them) how long an ended request's stream was out "
-                             "of the batch")
+                             "of the batch, and the steps out a request the policy learns from "
+                             "the requests in flight")
     args = parser.parse_args(argv)
     if args.batches:
         for line in batch_lines(args.traces):

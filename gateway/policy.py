@@ -144,6 +144,12 @@ MIN_ENDED = 16  # requests ended in them below which a mode's steps out are its 
 SETTLED = 3  # decode steps of a mode in a row before its requests out of the batch are its own
 
 
+def requests_out(in_flight: int, ended: int, batch_size: int) -> int:
+    """A step's requests out of the decode batch: those in flight once its final deltas are
+    handed out, with those that ended in it (decoded there), less those it decoded."""
+    return max(in_flight + ended - batch_size, 0)
+
+
 def bucket_of(batch_size: int) -> int:
     return next(b for b in BUCKETS if batch_size <= b)
 
@@ -422,7 +428,7 @@ class AdaptivePolicy:
             bucket.prefills[mode].append((stats.prefill_tokens, stats.period_s - stats.draft_s))
         self._run = self._run + 1 if mode == self._last_mode else 1
         if in_flight is not None and self._run > SETTLED:
-            out = max(in_flight + stats.finished_requests - stats.batch_size, 0)
+            out = requests_out(in_flight, stats.finished_requests, stats.batch_size)
             bucket.outs[mode].append((out, stats.finished_requests))
         self._last_mode = mode
         if mode and stats.first_child_accepted:
