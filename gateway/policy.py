@@ -142,6 +142,7 @@ VISITS = 1024  # decode steps whose buckets say which buckets the batch only pas
 OUTS = 256  # decode steps per bucket and mode whose requests out of the batch give its steps out
 MIN_ENDED = 16  # requests ended in them below which a mode's steps out are its bucket's
 SETTLED = 3  # decode steps of a mode in a row before its requests out of the batch are its own
+CONFIRM = 2  # probes of a mode whose mean ratio a switch to it needs, unless one is clear
 
 
 def requests_out(in_flight: int, ended: int, batch_size: int) -> int:
@@ -219,7 +220,7 @@ class _Bucket:
     # probe (seconds)
     reference: float = 0.0    # the mode in use's rate when the last probe was judged
     held: int | None = None   # a mode the last judgement of it favoured, not switched to only
-    # because the mode in use's tokens per step were not yet known
+    # because the mode in use's tokens per step were not yet known, or one probe said so
     recheck: int | None = None  # the mode left for one whose cost a draft token was not yet
     # known: probed again as soon as it is
     fresh: bool = False       # the probe's next step is its first (left out)
@@ -267,9 +268,12 @@ class AdaptivePolicy:
     prefills (:meth:`_rate`). Invariant: a bucket switches only when a
     probe is judged and the (geometric) mean of that mode's last PAIRS ratios
     favours it by more than ``margin`` (relative), so per-step noise does not
-    make it flap. The margin is 2 %: a bucket can stay in a mode up to a
-    margin behind another, and the policy's aim is to stay within 3 % of the
-    best (a margin of 5 % let a bucket sit for good in a mode 4 % behind).
+    make it flap, and those are at least ``confirm`` (2) ratios or they favour it
+    by more than ``clear`` (:meth:`_confirmed`): a mode one probe favoured less
+    clearly is probed again at once (a first probe can be lucky). The margin is
+    2 %: a bucket can stay in a mode up to a margin behind another, and the
+    policy's aim is to stay within 3 % of the best (a margin of 5 % let a
+    bucket sit for good in a mode 4 % behind).
     A speculative mode in use is not left until its tokens per step come
     from ``min_gains`` sequence-steps (steps times their batch size): once
     it is left, only its probes' few steps add to them, so a switch made on
@@ -335,7 +339,8 @@ class AdaptivePolicy:
                  min_samples: int = 8, probe_every: int = 100, probe_steps: int = 8,
                  clear: float = 0.2, max_doublings: int = 4, first_probe: int = 16,
                  sudden: float = 0.4, min_gains: int = 64, unknown_cost: float = 0.0,
-                 probe_share: float = 0.02, passing: bool = True) -> None:
+                 probe_share: float = 0.02, passing: bool = True,
+                 confirm: int = CONFIRM) -> None:
         nodes = [shape.num_draft_tokens for shape in shapes]
         if not shapes or 0 in nodes or len(set(nodes)) != len(nodes):
             raise ValueError(f"AdaptivePolicy needs budgets of different, non-zero node "
@@ -350,6 +355,7 @@ class AdaptivePolicy:
         self.unknown_cost = unknown_cost  # a budget's input_cost before its own is known
         self.probe_share = probe_share  # of the time, at most, that probes lose (_interval)
         self.passing = passing  # whether buckets the batch passes through follow others
+        self.confirm = confirm  # probes a switch needs, unless one found the mode clearly ahead
         self._visits: deque[tuple[int, bool]] = deque(maxlen=VISITS)  # the last decode
         # steps' buckets, and whether each entered its bucket (the step before was another's)
         self._visit_counts: Counter[int] = Counter()
@@ -622,7 +628,7 @@ class AdaptivePolicy:
             return
         due = {m: bucket.since[m] / self._interval(bucket, m) for m in others}
         if bucket.held is not None and self._gains_known(bucket, self.probe_steps):
-            due[bucket.held] = max(due[bucket.held], 1.0)  # judged once its gains are known
+            due[bucket.held] = max(due[bucket.held], 1.0)  # judged again once it may switch
         if bucket.recheck is not None and self.cost_known(bucket.mode):
             due[bucket.recheck] = max(due[bucket.recheck], 1.0)
         chosen = max(due, key=due.__getitem__)  # the most overdue (on a tie, the smaller)
@@ -720,14 +726,16 @@ class AdaptivePolicy:
                       describe_mode(self.modes[other]), theirs / mine,
                       describe_mode(self.modes[bucket.mode]), theirs, mine, costs or "none",
                       self.prompt_ratio, self.tokens_per_request, outs)
-        # a speculative mode in use is left only once its tokens per step are known
+        # a speculative mode in use is left only once its tokens per step are known, and on
+        # one probe only if that probe found the other mode clearly ahead
         known = self._gains_known(bucket, 0)
         favoured = mean > 1 + self.margin
-        if favoured and not known:
+        confirmed = self._confirmed(bucket.ratios[other])
+        if favoured and not (known and confirmed):
             bucket.held = other
         elif bucket.held == other:
             bucket.held = None
-        if favoured and known:
+        if favoured and known and confirmed:
             was = bucket.mode
             hinges = self._hinges_on_unknown_cost(bucket, other, mine)
             self._switch(bucket, other)
@@ -747,6 +755,18 @@ class AdaptivePolicy:
                 # way had run at 0.73 of off for 3.5 s before its next probe of off).
                 bucket.recheck = was
                 bucket.ratios[was].clear()
+
+    def _confirmed(self, ratios: Collection[float]) -> bool:
+        """Whether a mode's last probes (their ratios over the mode in use) are enough to
+        switch to it on: ``confirm`` of them, or fewer that found it clearly ahead (by
+        ``clear``). One probe's ratio is noisy and can be biased: at 64 streams on an H200
+        the chain's first probe from off came out 4-8 % ahead in each of three runs (its
+        steps ran between two waves of prompts, at a draft cost a token not yet its own), and
+        later probes 14 % behind to 7 % ahead; run steadily it was 6 % behind, and the
+        switch at the first probe left adaptive at 0.92 of off (docs/benchmarks.md,
+        thirty-seventh part)."""
+        mean = _geometric_mean(ratios)
+        return len(ratios) >= self.confirm or mean > 1 + self.clear
 
     def _hinges_on_unknown_cost(self, bucket: _Bucket, mode: int, mine: float) -> bool:
         """Whether a probe of ``mode`` judged favourable (against the mode in use's rate

@@ -459,7 +459,7 @@ def test_a_speculative_mode_is_not_left_on_its_first_few_steps():
     seed 9 ran off on 97 % of its steps. Not leaving a speculative mode before its tokens per
     step come from 64 sequence-steps, no seed runs the tree on fewer than half its steps."""
     guarded = [cpu_like_tree_share(seed) for seed in range(20)]
-    unguarded = [cpu_like_tree_share(seed, min_gains=0) for seed in range(20)]
+    unguarded = [cpu_like_tree_share(seed, min_gains=0, confirm=1) for seed in range(20)]
     assert min(guarded) > 0.5, guarded
     assert sum(share > 0.9 for share in guarded) >= 16, guarded
     assert min(unguarded) < 0.1, unguarded  # what the guard fixes
@@ -479,6 +479,51 @@ def test_a_switch_held_back_for_the_gains_comes_as_soon_as_they_are_known():
         policy.observe(step(1, on, 0.00295 if on else 0.000503, 3 if on else 0))
     assert not speculates(policy, 1)
     assert tree_steps <= 90, tree_steps
+
+
+def chain_steps_after_a_lucky_first_probe(first: float, steady: float, **options: int) -> int:
+    """Batch 1 with the 8-node tree and the 3-token chain: the tree is far behind (10 ms a
+    step for 3 tokens against off's 2 ms for 1), so the bucket goes off; the chain commits 3
+    tokens in 6 ms / ``steady`` (``steady`` times off's rate), except in its first probe,
+    whose steps take 6 ms / ``first`` (as if they ran between two waves of prompts).
+    Returns the chain's steps among the 600 from the start of that probe, the probe's own
+    left out."""
+    policy = AdaptivePolicy(adaptive_shapes("", DEFAULT), first_probe=100, **options)
+    probes = chain_steps = 0
+    was_chain = False
+    begun = None  # the step the chain's first probe began
+    for i in range(20000):
+        budget = shape_for(policy.policy, 1, DEFAULT).num_draft_tokens
+        chain = budget == 3
+        probes += chain and not was_chain
+        was_chain = chain
+        if probes and begun is None:
+            begun = i
+        lucky = probes == 1 and policy.buckets[1].mode == 0
+        period = {0: 0.002, 8: 0.010, 3: 0.006 / (first if lucky else steady)}[budget]
+        policy.observe(target_pb2.StepStats(
+            batch_size=1, speculated=bool(budget), tree_budget=budget, period_s=period,
+            total_s=period, committed_tokens=3 if budget else 1))
+        if begun is not None and not lucky:
+            chain_steps += chain
+        if begun is not None and i >= begun + 600:
+            return chain_steps
+    raise AssertionError("the chain was never probed")
+
+
+def test_one_probe_switches_only_when_it_finds_the_mode_clearly_ahead():
+    """The H200's story at 64 streams (session 42): the chain's first probe from off found it
+    8 % ahead, where it runs 6 % behind. Switched to on that probe alone (confirm=1, as
+    before), the bucket ran the chain until four probes of off brought their mean back
+    (332 of 600 steps, as the H200 ran it for three of five runs); judged on two probes, it
+    probes the chain again at once and stays off but for those two probes. A chain that is
+    8 % ahead is switched to one probe later (11 steps), one clearly ahead (by 30 %) on its
+    first probe either way."""
+    assert chain_steps_after_a_lucky_first_probe(1.08, 0.94, confirm=1) > 300
+    assert chain_steps_after_a_lucky_first_probe(1.08, 0.94) <= 16
+    assert chain_steps_after_a_lucky_first_probe(1.08, 1.08) > 500
+    assert chain_steps_after_a_lucky_first_probe(1.3, 1.3) > 550
+    assert chain_steps_after_a_lucky_first_probe(1.3, 1.3, confirm=1) > 550
 
 
 ALWAYS = types.SimpleNamespace(policy=parse_table("*:3/1/3", DEFAULT))  # the chain throughout

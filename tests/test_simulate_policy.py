@@ -166,6 +166,9 @@ def test_each_step_runs_the_budget_the_policy_gives_its_own_batch_size():
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 SESSION38_64 = RESULTS / "steps_8b_replay_h200_session38_features_memory.jsonl.gz"
 SESSION38_NO_FEATURES = RESULTS / "steps_8b_replay_h200_session38_nofeatures.jsonl.gz"
+# These traces' adaptive runs were made by a policy that switched on a single probe's
+# ratio: their tests, which check what follows such a switch, judge as it did.
+ONE_PROBE = {"confirm": 1}
 
 
 def test_a_replay_of_recorded_adaptive_runs_makes_the_live_policys_decisions():
@@ -180,7 +183,8 @@ def test_a_replay_of_recorded_adaptive_runs_makes_the_live_policys_decisions():
     begins, and that bucket does not probe; made to (passing=False), the 8-node tree's probe
     there, whose steps each followed plain ones and caught the draft up, counts those
     catch-ups: far behind off."""
-    live = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE)))
+    live = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE),
+                                                                **ONE_PROBE))
     switches = [line.split(" (")[0] for line in live if "speculation" in line]
     assert switches == ["run -1 step 33: batch <= 64: speculation off, was 8/4/4",
                         "run 0 step 17: batch <= 64: speculation 3/1/3, was off",
@@ -188,11 +192,11 @@ def test_a_replay_of_recorded_adaptive_runs_makes_the_live_policys_decisions():
     assert "run 0 step 172: batch <= 64: a probe of off judged at 1.3" in "\n".join(live)
     assert not any("batch <= 32" in line for line in live), live  # passed through: no probe
     passing = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE),
-                                                                   passing=False))
+                                                                   passing=False, **ONE_PROBE))
     tree = next(line for line in passing if "batch <= 32: a probe of 8/4/4" in line)
     assert float(tree.split("judged at ")[1].split()[0]) < 0.6, tree
-    costed = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE),
-                                                                  unknown_cost=0.00002))
+    costed = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(
+        adaptive_shapes("", sp.TREE), unknown_cost=0.00002, **ONE_PROBE))
     first = next(line for line in costed if "a probe of 3/1/3" in line)
     assert first.startswith("run 0 step 17: batch <= 64: a probe of 3/1/3 judged at 0.9"), first
     assert not any("speculation 3/1/3, was off" in line for line in costed), costed
@@ -208,7 +212,7 @@ def test_a_switch_judged_at_an_unknown_cost_is_judged_again_once_it_is_known():
     own (at the tree's, it would have stayed off), has one 8 steps later, and off's probe
     starts then, not 100 steps later. Where the chain wins at the tree's cost too (32
     streams without features), the switch stands as judged."""
-    policy = AdaptivePolicy(adaptive_shapes("", sp.TREE))
+    policy = AdaptivePolicy(adaptive_shapes("", sp.TREE), **ONE_PROBE)
     probing_off = []
     for i, stats in enumerate(adaptive_steps(SESSION38_64, 64)[:300]):
         policy.observe(stats)
@@ -218,7 +222,7 @@ def test_a_switch_judged_at_an_unknown_cost_is_judged_again_once_it_is_known():
     switched = 55 + 17  # the untimed run's 55 steps, then run 0's 18th
     assert probing_off and switched < probing_off[0] <= switched + 20, (switched, probing_off[:3])
 
-    policy = AdaptivePolicy(adaptive_shapes("", sp.TREE))
+    policy = AdaptivePolicy(adaptive_shapes("", sp.TREE), **ONE_PROBE)
     steps = adaptive_steps(SESSION38_NO_FEATURES, 32)
     for stats in steps:
         policy.observe(stats)
@@ -250,7 +254,7 @@ def test_a_probe_that_loses_time_is_spaced_so_probes_lose_a_small_share():
     the 7 ms a plain step then took: 3 % of the time lost); spaced so that a probe loses at
     most 2 % of the time, 740 steps later."""
     def interval_after_first_probe(**options: float) -> int:
-        policy = AdaptivePolicy(adaptive_shapes("", sp.TREE), **options)
+        policy = AdaptivePolicy(adaptive_shapes("", sp.TREE), **ONE_PROBE, **options)
         for stats in adaptive_steps(SESSION39_64, 64):
             policy.observe(stats)
             bucket = policy.buckets[64]
@@ -269,7 +273,7 @@ def test_a_mode_left_is_probed_again_no_sooner_than_its_catch_up_allows():
     spaced by that, 540 steps later, not by the step times alone (270; there it caught up
     0.39 s, 9 % of a 4.4-s run)."""
     def chain_interval_after_leaving_it(**options: float) -> int:
-        policy = AdaptivePolicy(adaptive_shapes("", sp.TREE), **options)
+        policy = AdaptivePolicy(adaptive_shapes("", sp.TREE), **ONE_PROBE, **options)
         left = False
         for stats in adaptive_steps(RESULTS / "steps_8b_replay_h200_session39_ab2_head_517b641"
                                     ".jsonl.gz", 64):
