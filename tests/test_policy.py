@@ -457,7 +457,9 @@ def test_a_speculative_mode_is_not_left_on_its_first_few_steps():
     a probe of off judged against the tree's tokens per step from its first dozen steps (one
     bad prompt) switched the bucket off; the tree's probes then add 7 steps at a time, and
     seed 9 ran off on 97 % of its steps. Not leaving a speculative mode before its tokens per
-    step come from 64 sequence-steps, no seed runs the tree on fewer than half its steps."""
+    step come from 64 sequence-steps, no seed runs the tree on fewer than half its steps.
+    (Unguarded is also switched on one probe, confirm=1: two probes guard against most of
+    it as well.)"""
     guarded = [cpu_like_tree_share(seed) for seed in range(20)]
     unguarded = [cpu_like_tree_share(seed, min_gains=0, confirm=1) for seed in range(20)]
     assert min(guarded) > 0.5, guarded
@@ -499,6 +501,7 @@ def chain_steps_after_a_lucky_first_probe(first: float, steady: float, **options
         was_chain = chain
         if probes and begun is None:
             begun = i
+            assert policy.buckets[1].mode == 0, "the chain's first probe came before off"
         lucky = probes == 1 and policy.buckets[1].mode == 0
         period = {0: 0.002, 8: 0.010, 3: 0.006 / (first if lucky else steady)}[budget]
         policy.observe(target_pb2.StepStats(
