@@ -760,8 +760,8 @@ class AdaptivePolicy:
         """Whether a mode's last probes (their ratios over the mode in use) are enough to
         switch to it on: ``confirm`` of them, or fewer that found it clearly ahead (by
         ``clear``). One probe's ratio is noisy and can be biased: at 64 streams on an H200
-        the chain's first probe from off came out 4-8 % ahead in each of three runs (its
-        steps ran between two waves of prompts, at a draft cost a token not yet its own), and
+        the chain's first probe from off came out 4-8 % ahead in each of three runs (judged
+        at unknown_cost, 0, for its draft input: at the tree's cost a token, level), and
         later probes 14 % behind to 7 % ahead; run steadily it was 6 % behind, and the
         switch at the first probe left adaptive at 0.92 of off (docs/benchmarks.md,
         thirty-seventh part)."""
