@@ -148,8 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         log.error("target stopped: %s", crashed[0])
         if ranks is not None:  # the engine thread may be stuck in a collective: leave now
             ranks.kill()
-            logging.shutdown()
-            os._exit(1)
+            leave(1)
         return 1
     for thread in engine_threads:  # its last flush and the runner's stop, before we leave
         thread.join(10.0)

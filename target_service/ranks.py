@@ -27,7 +27,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing
-import os
 import signal
 import socket
 import sys
@@ -39,6 +38,7 @@ from typing import NoReturn
 
 from splitspec import telemetry
 from splitspec.init_report import InitReport, StepState, describe_failure
+from splitspec.signals import leave
 from splitspec.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -159,8 +159,7 @@ class RankSet:
             log.error("start-up failed: %s", cause)
             self.kill()
             telemetry.flush()
-            logging.shutdown()
-            os._exit(1)
+            leave(1)
 
     def fail_startup(self, settle_s: float = 2.0) -> NoReturn:
         """Rank 0's own step failed: give the other ranks' reports a moment to arrive (a rank
