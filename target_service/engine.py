@@ -177,6 +177,9 @@ class Engine:
         self.runner = runner
         self.page_size = runner.cache.page_size
         self.device = runner.device
+        # A forward on the CPU returns once it has run, not once it is launched: there the
+        # last step's events leave before it, not a whole forward late (see _flush).
+        self._forward_blocks = torch.device(runner.device).type == "cpu"
         self.scheduler = scheduler
         self.limits = limits
         self.draft = draft
@@ -756,6 +759,8 @@ class Engine:
         logit_rows = [starts[i + 1] - 1 for i in range(len(prefill))]
         for i in range(len(prefill), len(attn)):
             logit_rows.extend(range(starts[i], starts[i + 1]))
+        if self._forward_blocks:
+            self._flush()
         logits = self.runner.forward(ForwardBatch(torch.tensor(ids), torch.tensor(pos), attn,
                                                   logit_rows, self.capture))
         launched, launched_cpu = time.perf_counter(), time.thread_time()
@@ -897,9 +902,10 @@ class Engine:
         """Hand the pending events to their streams' outboxes.
 
         A step's events leave at the next step's first wait (for the draft's reply, or
-        after its forward's launch) or before the loop waits for work, not at the step's
-        end: each stream's gRPC thread then serialises and sends while this thread waits
-        on the device or the draft. Sent at once, that work ran while the next step's host
+        after its forward's launch; on the CPU, where the forward returns only once it has
+        run, before it) or before the loop waits for work, not at the step's end: each
+        stream's gRPC thread then serialises and sends while this thread waits on the
+        device or the draft. Sent at once, that work ran while the next step's host
         work did, and since every torch call gives the GIL up, that host work waited for it
         (docs/benchmarks.md, twenty-seventh part)."""
         pending, self._pending = self._pending, {}
