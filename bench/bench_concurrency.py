@@ -274,6 +274,13 @@ def eager_share(stats: RunStats) -> float:
     return sum(not s.graphed for s in decode) / len(decode) if decode else 0.0
 
 
+def request_latency_ms(stats: RunStats) -> tuple[float, float]:
+    """Median milliseconds from a request's admit to its first token's arrival at the
+    client, and to its last (the client's view: queueing, prefill and delivery included)."""
+    return (1000 * statistics.median(stats.first_token_s),
+            1000 * statistics.median(stats.request_s))
+
+
 def graph_tree_sizes(shape_name: str) -> str:
     """The target's --graph-tree-sizes: ON's tree size and every adaptive budget's."""
     num, topk, steps = SHAPES[shape_name]
@@ -545,7 +552,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         keys = ["tokens_per_s", "steady_tokens_per_s", "wall_s", "accepted_per_verify_step",
                 "speculated_step_share",
                 "mean_decode_batch", "mixed_step_share", "mixed_step_ms", "decode_step_ms",
-                "eager_step_share", "budget_step_shares"] + (
+                "eager_step_share", "budget_step_shares", "first_token_ms", "request_ms"] + (
                     ["draft_trees", "replay_misses"] if draft else [])
         entry: dict[str, Any] = {"concurrency": concurrency, "num_prompts": len(prompts),
                                  **{key: {mode: [] for mode in modes} for key in keys},
@@ -589,6 +596,9 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                 entry["mixed_step_ms"][mode].append(mixed_ms)
                 entry["decode_step_ms"][mode].append(decode_ms)
                 entry["eager_step_share"][mode].append(eager_share(stats))
+                first_ms, request_ms = request_latency_ms(stats)
+                entry["first_token_ms"][mode].append(first_ms)
+                entry["request_ms"][mode].append(request_ms)
                 budgets = budget_shares(stats)
                 entry["budget_step_shares"][mode].append(budgets)
                 replay = ""
@@ -607,7 +617,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                       f"of steps mixed at {mixed_ms:.1f} ms against {decode_ms:.1f} ms, "
                       f"{eager_share(stats):.0%} eager, budgets "
                       f"{', '.join(f'{b}: {v:.0%}' for b, v in budgets.items())}, "
-                      f"{stats.mean_accepted:.2f} accepted per verify step{replay}); "
+                      f"{stats.mean_accepted:.2f} accepted per verify step{replay}; first "
+                      f"token {first_ms:.1f} ms, request {request_ms:.0f} ms, medians); "
                       f"{time.perf_counter() - start:.0f} s so far", file=sys.stderr, flush=True)
         report["results"].append(entry)
         save_json(report, args.out_json)  # partial: a long sweep that dies keeps what it ran

@@ -65,6 +65,10 @@ class RunStats:
     accepted: int = 0
     reached_by_depth: list[float] = field(default_factory=list)   # weighted by verify steps
     accepted_by_depth: list[float] = field(default_factory=list)
+    # per request, as the client saw it: from its admit's queueing to its first token's
+    # arrival, and to its last
+    first_token_s: list[float] = field(default_factory=list)
+    request_s: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -118,9 +122,13 @@ def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_n
         mode = common_pb2.SPECULATION_MODE_AUTO
         requests.put(target_pb2.ServeRequest(policy=policy))
     pending = list(enumerate(prompts))
+    sent: dict[int, float] = {}      # request id -> when its admit was queued
+    waiting_first: set[int] = set()  # requests whose first token has not arrived
 
     def admit_next() -> None:
         rid, ids = pending.pop(0)
+        sent[rid] = time.perf_counter()
+        waiting_first.add(rid)
         requests.put(target_pb2.ServeRequest(admit=target_pb2.Admit(
             request_id=rid, prompt_ids=ids, max_new_tokens=lengths[rid], ignore_eos=True,
             speculation=mode)))
@@ -133,10 +141,15 @@ def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_n
     seen_steps = set()
     for event in events:
         ended = 0
+        now = time.perf_counter()
         for delta in event.deltas:
             stats.tokens += len(delta.token_ids)
+            if delta.token_ids and delta.request_id in waiting_first:
+                waiting_first.discard(delta.request_id)
+                stats.first_token_s.append(now - sent[delta.request_id])
             if delta.finish_reason:
                 stats.add_request(delta.spec)
+                stats.request_s.append(now - sent[delta.request_id])
                 ended += 1
         done += ended
         if event.stats.step not in seen_steps:  # after its final deltas, as the gateway

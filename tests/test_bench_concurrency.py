@@ -222,6 +222,8 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         assert entry["budget_step_shares"]["ON"] == [{"8": 1.0}]  # (every step speculated)
         assert set(entry["budget_step_shares"]["adaptive"][0]) <= {"0", "3", "8"}
         assert all(rates[0] > 0 for rates in entry["steady_tokens_per_s"].values())
+        for mode, (first_ms,) in entry["first_token_ms"].items():  # the client's view
+            assert 0 < first_ms < entry["request_ms"][mode][0], mode
         work = sum(bc.request_lengths(entry["num_prompts"], 8, 0.5))  # the spread lengths
         for mode, rates in entry["tokens_per_s"].items():
             assert round(rates[0] * entry["wall_s"][mode][0]) == work, mode
