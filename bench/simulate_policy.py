@@ -16,7 +16,8 @@ was compared with each seed's highest fixed rate, which flatters the best where 
 a few per cent apart.
 
 What it leaves out: a switch of mode costs nothing beyond the steps the policy itself leaves
-out, and the drift is OFF's, laid end to end. Calibration: one probe's log ratio (probe
+out, unless ``--catch-up-us`` prices the draft's catch-up after plain steps (:func:`simulate`),
+and the drift is OFF's, laid end to end. Calibration: one probe's log ratio (probe
 against the steps around it) varied by 0.08-0.11 at 1 stream in simulation with the default
 ``--window`` and by 0.07-0.12 in the recorded adaptive runs. So it
 measures how well the policy resolves modes through this machine's per-step noise, the
@@ -227,6 +228,12 @@ class Machine:
                 self.drift.append(level / mean)
                 elapsed += step.period_s
         self.length_s = elapsed
+        # a decoding sequence's mean length, prompt and half its generated tokens (what a
+        # catch-up sends it at most): from the requests the OFF runs ended, unbounded where
+        # the traces do not count them
+        ended = sum(s.finished_requests for s in off)
+        self.sequence_tokens = (sum(s.finished_prompt_tokens + s.finished_generated_tokens / 2
+                                    for s in off) / ended if ended else float("inf"))
 
     def next_like(self, budget: int, step: target_pb2.StepStats, start: int) -> int | None:
         """The index of ``budget``'s pool's next step (from ``start``, wrapping) that decoded
@@ -247,7 +254,7 @@ class Machine:
 
 def simulate(machine: Machine, choose: Callable[[int], int],
              observe: Callable[[target_pb2.StepStats], object], concurrency: int, steps: int,
-             settle: int, seed: int) -> tuple[float, Counter]:
+             settle: int, seed: int, catch_up_s: float = 0.0) -> tuple[float, Counter]:
     """Tokens per second after the first ``settle`` of ``steps`` steps, each run with the
     budget ``choose`` gives for its own batch size (and shown to ``observe``), and the share of
     those steps per budget. A seed fixes where each pool and the drift start, so runs of
@@ -262,7 +269,14 @@ def simulate(machine: Machine, choose: Callable[[int], int],
     their requests end together), the drawn step stands, in its own budget. (Until session
     33 the budget was the one for the batch size of the step before, so at 2 streams a lone
     batch of 1 between batches of 2 ran in the budget of 2: the budget of 1 was seldom
-    measured, and its probes were never judged.)"""
+    measured, and its probes were never judged.)
+
+    With ``catch_up_s`` (seconds of draft wait a token), a speculative step after plain ones
+    first catches the draft up: every token those steps committed or prefilled, at most
+    each decoding sequence's mean length (``Machine.sequence_tokens``), adds that much to
+    its period, its draft wait and its draft input, as a probe from off pays on a real
+    target (about 30 us a token with the built-in pair on 2 CPU cores, where it is most of
+    what a probe loses; session 43). Without it a change of mode costs nothing."""
     rng = random.Random(seed)
     cursor = {budget: rng.randrange(len(pool)) for budget, pool in sorted(machine.pools.items())}
     clock = rng.uniform(0, machine.length_s)
@@ -276,6 +290,7 @@ def simulate(machine: Machine, choose: Callable[[int], int],
         return budget
 
     budget = chosen(concurrency)
+    behind = 0  # tokens the plain steps since the last speculative one left the draft to catch
     for i in range(steps):
         at = cursor[budget]
         drawn = machine.pools[budget][at]
@@ -287,6 +302,14 @@ def simulate(machine: Machine, choose: Callable[[int], int],
         sample.CopyFrom(pool[at])
         cursor[budget] = (at + 1) % len(pool)
         sample.period_s *= machine.drift_at(clock)
+        if catch_up_s and not budget:
+            behind += sample.committed_tokens + sample.prefill_tokens
+        elif catch_up_s and behind and sample.batch_size:
+            sent = min(behind, sample.batch_size * machine.sequence_tokens)
+            sample.period_s += sent * catch_up_s
+            sample.draft_s += sent * catch_up_s
+            sample.draft_input_tokens += round(sent)
+            behind = 0
         clock += sample.period_s
         observe(sample)
         if i >= settle:
@@ -298,7 +321,7 @@ def simulate(machine: Machine, choose: Callable[[int], int],
 
 
 def summarize(machine: Machine, concurrency: int, make_policy: Callable[[], AdaptivePolicy],
-              seeds: int, steps: int, settle: int) -> dict[str, Any]:
+              seeds: int, steps: int, settle: int, catch_up_s: float = 0.0) -> dict[str, Any]:
     """Per seed, adaptive's rate over the best fixed budget's on the same machine and seed.
     The best budget is the one of the highest median over all seeds, not each seed's
     highest: where budgets are a few per cent apart, the highest of a seed's noisy rates is
@@ -307,12 +330,12 @@ def summarize(machine: Machine, concurrency: int, make_policy: Callable[[], Adap
     for seed in range(seeds):
         for budget in machine.pools:
             rate, _ = simulate(machine, lambda _b, budget=budget: budget, lambda _s: None,
-                               concurrency, steps, settle, seed)
+                               concurrency, steps, settle, seed, catch_up_s)
             fixed[budget].append(rate)
         policy = make_policy()
         budget_of = lambda batch, p=policy: shape_for(p.policy, batch, TREE).num_draft_tokens  # noqa: E731
         tok_s, used = simulate(machine, budget_of, policy.observe, concurrency, steps, settle,
-                               seed)
+                               seed, catch_up_s)
         adaptive.append(tok_s)
         shares.update(used)
     best = max(fixed, key=lambda budget: statistics.median(fixed[budget]))
@@ -344,6 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unknown-cost-us", type=float, default=0.0,
                         help="the policy's unknown_cost: microseconds of draft wait a token "
                              "sent, for a budget whose own cost is not known yet (default 0)")
+    parser.add_argument("--catch-up-us", type=float, default=0.0,
+                        help="microseconds of draft wait a token for the catch-up a speculative "
+                             "step after plain ones pays (default 0: a change of mode costs "
+                             "nothing); the slope of draft_s over draft_input_tokens in the "
+                             "adaptive runs' first speculative steps after plain ones")
     parser.add_argument("--batches", action="store_true",
                         help="instead: per timed run, its throughput against its tokens per "
                              "second per decoding sequence, its mean decode batch and (where "
@@ -357,8 +385,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.steps <= args.settle or min(args.seeds, args.window) < 1:
         parser.error("--steps must exceed --settle, and --seeds and --window be >= 1")
-    if args.unknown_cost_us < 0:
-        parser.error(f"--unknown-cost-us must be >= 0, got {args.unknown_cost_us}")
+    if min(args.unknown_cost_us, args.catch_up_us) < 0:
+        parser.error("--unknown-cost-us and --catch-up-us must be >= 0")
     if args.replay:
         found = sorted({run["concurrency"] for path in args.traces for run in _read_runs(path)
                         if run["mode"] == "adaptive"})
@@ -379,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [s for s in adaptive_shapes("", TREE) if s.num_draft_tokens in budgets]
         result = summarize(Machine(budgets, args.window), concurrency,
                            lambda shapes=shapes: AdaptivePolicy(shapes), args.seeds, args.steps,
-                           args.settle)
+                           args.settle, args.catch_up_us * 1e-6)
         fixed = ", ".join(f"{b or 'off'}: {r:.1f} tok/s ({result['steps'][b]} steps)"
                           for b, r in sorted(result["fixed_tok_s"].items()))
         share = ", ".join(f"{b or 'off'} {s:.0%}" for b, s in result["share"].items())

@@ -163,6 +163,41 @@ def test_each_step_runs_the_budget_the_policy_gives_its_own_batch_size():
     assert {(s.batch_size, s.speculated) for s in seen} == {(1, False), (2, False), (0, False)}
 
 
+def test_a_speculative_step_after_plain_ones_pays_the_drafts_catch_up_on_what_they_committed():
+    """With catch_up_s, the first speculative step after 10 plain ones (1 token each) costs
+    10 tokens' catch-up more, in its period, draft wait and draft input; the steps after it
+    do not, and without catch_up_s nothing is added. A sequence is caught up on at most its
+    mean length: prompt and half its generated tokens, from the requests OFF's runs ended."""
+    def run(budget: int, period_s: float, committed: int, ended: bool = False) -> list:
+        return [target_pb2.StepStats(batch_size=1, speculated=budget > 0, tree_budget=budget,
+                                     committed_tokens=committed, period_s=period_s,
+                                     draft_input_tokens=committed if budget else 0,
+                                     finished_requests=int(ended and i % 40 == 0),
+                                     finished_prompt_tokens=4 * int(ended and i % 40 == 0),
+                                     finished_generated_tokens=4 * int(ended and i % 40 == 0))
+                for i in range(400)]
+
+    def first_speculative_steps(machine: sp.Machine, catch_up_s: float) -> list:
+        seen: list[target_pb2.StepStats] = []
+        sp.simulate(machine, lambda _batch: 8 if len(seen) >= 10 else 0, seen.append,
+                    concurrency=1, steps=14, settle=0, seed=1, catch_up_s=catch_up_s)
+        assert [s.speculated for s in seen] == [False] * 10 + [True] * 4
+        return seen[10:]
+
+    machine = sp.Machine({0: [run(0, 0.010, 1)], 8: [run(8, 0.020, 3)]}, 8)
+    assert machine.sequence_tokens == float("inf")  # no request ended in these runs
+    first, *rest = first_speculative_steps(machine, 0.001)
+    assert first.period_s == pytest.approx(0.020 + 10 * 0.001)
+    assert first.draft_s == pytest.approx(10 * 0.001) and first.draft_input_tokens == 3 + 10
+    assert [s.period_s for s in rest] == pytest.approx([0.020] * 3)
+    assert first_speculative_steps(machine, 0.0)[0].period_s == pytest.approx(0.020)
+
+    capped = sp.Machine({0: [run(0, 0.010, 1, ended=True)], 8: [run(8, 0.020, 3)]}, 8)
+    assert capped.sequence_tokens == 6  # a prompt of 4 and half of 4 generated
+    first = first_speculative_steps(capped, 0.001)[0]
+    assert first.period_s == pytest.approx(0.020 + 6 * 0.001) and first.draft_input_tokens == 9
+
+
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 SESSION38_64 = RESULTS / "steps_8b_replay_h200_session38_features_memory.jsonl.gz"
 SESSION38_NO_FEATURES = RESULTS / "steps_8b_replay_h200_session38_nofeatures.jsonl.gz"
