@@ -15,9 +15,13 @@ gateway does), runs the policies ``--modes`` names (by default these four) inter
 * adaptive: one ``gateway.policy.AdaptivePolicy`` per concurrency with the gateway's
   default budgets (the shape and a chain of 3 nodes), fed with every step's statistics and
   learning across the repeats; the JSON's ``budget_step_shares`` says which budgets each
-  run's steps used.
+  run's steps used;
+* variant (only with ``--modes`` and ``--variant``): a second adaptive policy, built with
+  the keyword arguments ``--variant`` gives (for example ``'{"borrow_cost": true}'``),
+  so that a change of the policy's settings is measured against adaptive in one run, its
+  per-round ratio to adaptive in the table.
 
-Each concurrency starts with ``--warmup`` untimed OFF, ON and adaptive runs (adaptive
+Each concurrency starts with ``--warmup`` untimed OFF, ON and adaptive (and variant) runs (adaptive
 learns in them, as a long-running gateway would have): the first
 runs on a fresh target are slow (2 CPU cores, 64 streams: OFF 12.4 s then
 7.0 s for the same work), and a warm-up per concurrency covers new batch sizes
@@ -116,8 +120,9 @@ from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
 from splitspec.replay import record, write_records
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
-MODES = ("OFF", "ON", "chain", "static", "adaptive")
+MODES = ("OFF", "ON", "chain", "static", "adaptive", "variant")
 DEFAULT_MODES = ("OFF", "ON", "static", "adaptive")  # and every report's before "chain"
+WARM_MODES = ("OFF", "ON", "chain", "adaptive", "variant")  # the modes with untimed runs
 AIM = 0.97  # adaptive within 3 % of the best of OFF and ON
 INTERVAL_LEVEL = 0.9     # of the bootstrap interval around adaptive / best
 BOOTSTRAP_SAMPLES = 2000
@@ -137,8 +142,26 @@ def parse_modes(text: str) -> list[str]:
     unknown = sorted(set(modes) - set(MODES))
     if unknown or not {"OFF", "ON"} <= set(modes):
         raise argparse.ArgumentTypeError(
-            f"--modes must name OFF, ON and any of chain, static, adaptive (got {text!r})")
+            f"--modes must name OFF, ON and any of chain, static, adaptive, variant (got "
+            f"{text!r})")
     return [mode for mode in MODES if mode in modes]
+
+
+def parse_variant(text: str) -> dict[str, Any]:
+    """``'{"probe_share": 0.01}'`` -> the keyword arguments of the variant's AdaptivePolicy,
+    checked by building one."""
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--variant must be a JSON object: {exc}") from exc
+    if not isinstance(kwargs, dict):
+        raise argparse.ArgumentTypeError(f"--variant must be a JSON object, got {text!r}")
+    try:
+        AdaptivePolicy(adaptive_shapes("", common_pb2.DraftShape(
+            num_draft_tokens=8, topk=4, num_steps=4)), **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"--variant {text}: {exc}") from exc
+    return kwargs
 
 
 def modes_of(report: dict[str, Any]) -> list[str]:
@@ -353,7 +376,9 @@ def summarize(entry: dict[str, Any], modes: list[str] | tuple[str, ...] = DEFAUL
     rates = entry["tokens_per_s"]
     med = {mode: statistics.median(rates[mode]) for mode in modes}
     best, on_off = best_of(rates), per_round(rates, "ON", "OFF")
-    adaptive_best = adaptive_off = aim_met = interval = None
+    adaptive_best = adaptive_off = aim_met = interval = variant_adaptive = None
+    if "variant" in modes and "adaptive" in modes:
+        variant_adaptive = per_round(rates, "variant", "adaptive")
     if "adaptive" in modes:
         adaptive_best, adaptive_off = per_round(rates, "adaptive", best), per_round(
             rates, "adaptive", "OFF")
@@ -361,7 +386,7 @@ def summarize(entry: dict[str, Any], modes: list[str] | tuple[str, ...] = DEFAUL
         interval = bootstrap_interval(rates)
     return {"concurrency": entry["concurrency"], "median": med, "best": best, "on_off": on_off,
             "adaptive_best": adaptive_best, "adaptive_off": adaptive_off, "aim_met": aim_met,
-            "adaptive_interval": interval}
+            "adaptive_interval": interval, "variant_adaptive": variant_adaptive}
 
 
 def acceptance_line(report: dict[str, Any]) -> str:
@@ -392,7 +417,7 @@ def markdown(report: dict[str, Any]) -> str:
     threshold = settings["static_threshold"]
     prompt_len = f" of {settings['prompt_len']} tokens" if settings["prompts"] == "heldout" else ""
     target = f"target model {settings['target_label']}, " if settings.get("target_label") else ""
-    warm = [m for m in ("OFF", "ON", "chain", "adaptive") if m in modes]
+    warm = [m for m in WARM_MODES if m in modes]
     flags = settings.get("target_flags")
     target += f"target flags {' '.join(flags)}, " if flags else ""
     lines = [
@@ -408,10 +433,12 @@ def markdown(report: dict[str, Any]) -> str:
         "",
     ]
     names = {"OFF": "OFF", "ON": "ON", "chain": "chain 3", "static": f"static (<={threshold})",
-             "adaptive": "adaptive"}
+             "adaptive": "adaptive", "variant": "variant"}
     header = ["concurrency", "prompts", *(f"{names[m]} tok/s" for m in modes), "ON / OFF"]
     if "adaptive" in modes:
         header += ["adaptive / best(OFF, ON)", f"{INTERVAL_LEVEL:.0%} interval"]
+    if "variant" in modes and "adaptive" in modes:
+        header += ["variant / adaptive"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     summaries = [summarize(entry, modes) for entry in report["results"]]
     for entry, s in zip(report["results"], summaries, strict=True):
@@ -421,6 +448,8 @@ def markdown(report: dict[str, Any]) -> str:
             interval = s["adaptive_interval"]
             cells += [f"{s['adaptive_best']:.2f} ({s['best']})",
                       f"{interval[0]:.2f}-{interval[1]:.2f}" if interval else "-"]
+        if s["variant_adaptive"] is not None:
+            cells += [f"{s['variant_adaptive']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if "adaptive" in modes:
         met = [str(s["concurrency"]) for s in summaries if s["aim_met"]]
@@ -449,9 +478,10 @@ def plot(report: dict[str, Any], path: Path) -> None:
     xs = [entry["concurrency"] for entry in results]
     threshold = report["settings"]["static_threshold"]
     labels = {"OFF": "OFF", "ON": "ON (always)", "chain": "chain of 3 (always)",
-              "static": f"static (speculate up to {threshold})", "adaptive": "adaptive"}
+              "static": f"static (speculate up to {threshold})", "adaptive": "adaptive",
+              "variant": "adaptive, variant"}
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    markers = dict(zip(MODES, "osv^D", strict=True))
+    markers = dict(zip(MODES, "osv^DP", strict=True))
     for mode in modes_of(report):
         marker = markers[mode]
         runs = [entry["tokens_per_s"][mode] for entry in results]
@@ -539,16 +569,17 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
     shape = common_pb2.DraftShape(num_draft_tokens=num, topk=topk, num_steps=steps)
     static = static_policy(args.static_threshold, shape)
     modes = args.modes
-    warm_modes = [mode for mode in ("OFF", "ON", "chain", "adaptive") if mode in modes]
+    warm_modes = [mode for mode in WARM_MODES if mode in modes]
     total = len(args.concurrency) * args.repeats * len(modes)
     done, start = 0, time.perf_counter()
     for concurrency in args.concurrency:
         prompts = all_prompts[:prompts_for(concurrency, args.num_prompts)]
         # one per concurrency: it learns across the repeats
         adaptive = AdaptivePolicy(adaptive_shapes("", shape))
+        variant = AdaptivePolicy(adaptive_shapes("", shape), **(args.variant or {}))
         runs: dict[str, tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None] = {
             "OFF": None, "ON": SHAPES[args.shape], "chain": SHAPES["chain3"], "static": static,
-            "adaptive": adaptive}
+            "adaptive": adaptive, "variant": variant}
         keys = ["tokens_per_s", "steady_tokens_per_s", "wall_s", "accepted_per_verify_step",
                 "speculated_step_share",
                 "mean_decode_batch", "mixed_step_share", "mixed_step_ms", "decode_step_ms",
@@ -698,6 +729,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", type=parse_modes, default=list(DEFAULT_MODES),
                         help="comma-separated modes to run: OFF and ON, and any of chain, "
                              "static, adaptive (default: OFF, ON, static, adaptive)")
+    parser.add_argument("--variant", type=parse_variant, default=None,
+                        help="with the mode variant in --modes: a JSON object of keyword "
+                             "arguments for a second AdaptivePolicy, run interleaved with the "
+                             "others (e.g. '{\"probe_share\": 0.01}'): a policy change A/B in "
+                             "one run, its ratio to adaptive per round in the table")
     parser.add_argument("--machine", default="", help="names the machine in the plot and table "
                                                       "(default: described from this host)")
     parser.add_argument("--shape", default="tree", choices=list(SHAPES),
@@ -765,6 +801,8 @@ def main(argv: list[str] | None = None) -> int:
                      "--feature-memory-mb and --target-flag start services: they need --start "
                      "(against a running stack the report takes the draft's name from the "
                      "target)")
+    if ("variant" in args.modes) != (args.variant is not None):
+        parser.error("the mode variant and --variant go together: --variant gives its policy")
     if args.replay_features and not replay:
         parser.error("--replay-features is for --draft-kind replay")
     if not 0 <= args.replay_corrupt_rate <= 1:  # NaN fails too
@@ -788,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
                      "replay_corrupt_rate": args.replay_corrupt_rate if replay else None,
                      "replay_features": args.replay_features and replay,
                      "feature_memory_mb": args.feature_memory_mb,
-                     "target_flags": args.target_flag},
+                     "target_flags": args.target_flag, "variant": args.variant},
         "results": [], "complete": False}
     procs: list[subprocess.Popen] = []
     draft: draft_pb2_grpc.DraftStub | None = None

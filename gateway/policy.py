@@ -340,7 +340,7 @@ class AdaptivePolicy:
                  clear: float = 0.2, max_doublings: int = 4, first_probe: int = 16,
                  sudden: float = 0.4, min_gains: int = 64, unknown_cost: float = 0.0,
                  probe_share: float = 0.02, passing: bool = True,
-                 confirm: int = CONFIRM) -> None:
+                 confirm: int = CONFIRM, borrow_cost: bool = False) -> None:
         nodes = [shape.num_draft_tokens for shape in shapes]
         if not shapes or 0 in nodes or len(set(nodes)) != len(nodes):
             raise ValueError(f"AdaptivePolicy needs budgets of different, non-zero node "
@@ -353,6 +353,7 @@ class AdaptivePolicy:
         self.min_samples, self.probe_every, self.probe_steps = min_samples, probe_every, probe_steps
         self.min_gains = min_gains
         self.unknown_cost = unknown_cost  # a budget's input_cost before its own is known
+        self.borrow_cost = borrow_cost  # or every budget's, once that is known (input_cost)
         self.probe_share = probe_share  # of the time, at most, that probes lose (_interval)
         self.passing = passing  # whether buckets the batch passes through follow others
         self.confirm = confirm  # probes a switch needs, unless one found the mode clearly ahead
@@ -537,9 +538,20 @@ class AdaptivePolicy:
         of pairwise slopes (Theil and Sen's), not a least-squares one: a few big catch-ups
         weigh most in a least-squares slope, and there they cost more a token than steady
         steps' inputs (39 against 25 us); in a bucket that mostly runs plain decoding they
-        decided it. A change of mode's catch-up is left out for the same reason."""
+        decided it. A change of mode's catch-up is left out for the same reason.
+
+        With ``borrow_cost`` a budget whose own cost is unknown takes every budget's, where
+        that is known, before ``unknown_cost``: not the default. At 64 streams on the H200
+        the chain's first probe from off, judged at 0 us a token, came out 4-8 % ahead
+        where at the tree's cost it was level, and the switch cost 8 % (thirty-seventh
+        part); under session 37's dearer feature path the same borrowing would have cut
+        the chain's first probes at 16-32 streams, where it paid, from 1.21-1.41 to
+        1.04-1.12. The option is there for an A/B of the two (bench_concurrency.py's mode
+        variant, ``--variant '{"borrow_cost": true}'``)."""
         slopes = self._slopes("inputs")
         pooled = slopes[None] if mode is None else slopes.get(mode, _NONE)
+        if len(pooled) < MIN_SLOPES and self.borrow_cost:
+            pooled = slopes[None]
         if len(pooled) < MIN_SLOPES:
             return self.unknown_cost
         return max(float(np.median(pooled)), 0.0)

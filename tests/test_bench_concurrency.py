@@ -125,6 +125,27 @@ def test_modes_are_parsed_in_table_order_and_need_off_and_on():
             bc.parse_modes(text)
 
 
+def test_a_variant_policy_is_keyword_arguments_checked_and_tabled_against_adaptive():
+    """--variant's JSON must be keyword arguments an AdaptivePolicy takes; a report with the
+    variant mode gives its per-round ratio to adaptive a column of its own."""
+    assert bc.parse_variant('{"probe_share": 0.01, "borrow_cost": true}') == {
+        "probe_share": 0.01, "borrow_cost": True}
+    for text in ('{"no_such": 1}', "[1]", "{", '{"shapes": []}'):
+        with pytest.raises(argparse.ArgumentTypeError, match="--variant"):
+            bc.parse_variant(text)
+    assert bc.parse_modes("variant,adaptive,ON,OFF") == ["OFF", "ON", "adaptive", "variant"]
+    report = json.loads(json.dumps(REPORT))
+    report["settings"]["modes"] = ["OFF", "ON", "adaptive", "variant"]
+    for e in report["results"]:
+        e["tokens_per_s"]["variant"] = [1.02 * r for r in e["tokens_per_s"]["adaptive"]]
+    lines = bc.markdown(report).splitlines()
+    assert lines[2].endswith("| variant tok/s | ON / OFF | adaptive / best(OFF, ON) | 90% "
+                             "interval | variant / adaptive |")
+    assert "| 64 | 128 | 200.0 | 150.0 | 190.0 | 193.8 | 0.75x | 0.95 (OFF) | 0.95-0.95 | 1.020 |" \
+        in lines
+    assert "untimed OFF, ON, adaptive and variant run(s)" in lines[0]
+
+
 def test_table_of_a_replay_run_without_static_labels_draft_target_and_acceptance():
     report = json.loads(json.dumps(REPORT))
     report["settings"] |= {"modes": ["OFF", "ON", "adaptive"], "replay_corrupt_rate": 0.3,
@@ -165,6 +186,8 @@ def test_expected_replay_acceptance_follows_the_main_path():
     (["--start", "--random-8b", "--device", "cuda", "--target-model", "/x"], "pass one"),
     (["--draft-kind", "replay"], "need --start"),
     (["--target-flag=--early-exchange"], "need --start"),
+    (["--modes", "OFF,ON,variant"], "the mode variant and --variant go together"),
+    (["--variant", '{"probe_share": 0.01}'], "the mode variant and --variant go together"),
     (["--start", "--draft-kind", "replay", "--replay-corrupt-rate", "1.5"],
      "--replay-corrupt-rate must be in [0, 1]"),
 ])

@@ -681,6 +681,27 @@ def test_each_budget_learns_its_own_cost_of_a_draft_token():
     assert policy.input_cost(2) == pytest.approx(0.00002)
 
 
+def test_a_policy_that_borrows_judges_a_budget_of_unknown_cost_at_every_budgets():
+    """With borrow_cost, the chain's cost before its own is known is every budget's (the
+    tree's here), not unknown_cost; with no budget's known, unknown_cost still; once its
+    own is known, its own."""
+    policy = AdaptivePolicy([DEFAULT, CHAIN], first_probe=10**6, borrow_cost=True,
+                            unknown_cost=0.00001)
+    assert policy.input_cost(2) == pytest.approx(0.00001)
+
+    def observe(budget: int, inputs: list[int], per_token: float) -> None:
+        for n in inputs:
+            policy.observe(target_pb2.StepStats(
+                batch_size=32, speculated=True, tree_budget=budget, period_s=0.02,
+                total_s=0.02, committed_tokens=96, draft_s=0.002 + per_token * n,
+                draft_input_tokens=n))
+
+    observe(8, [96, 400] * 5, 0.00004)
+    assert policy.input_cost(2) == pytest.approx(0.00004) and not policy.cost_known(2)
+    observe(3, [96, 400] * 5, 0.00002)
+    assert policy.input_cost(2) == pytest.approx(0.00002) and policy.cost_known(2)
+
+
 def test_a_chain_is_judged_by_its_own_cost_of_a_draft_token_not_the_trees():
     """The 32 streams where the tree's draft pays 80 us for each token sent and the chain's
     30 (the H200's call 6 of session 36: 30-45 against 24-31): the chain beats off by 7 %,
