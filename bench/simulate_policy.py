@@ -275,8 +275,9 @@ def simulate(machine: Machine, choose: Callable[[int], int],
     first catches the draft up: every token those steps committed or prefilled, at most
     each decoding sequence's mean length (``Machine.sequence_tokens``), adds that much to
     its period, its draft wait and its draft input, as a probe from off pays on a real
-    target (about 30 us a token with the built-in pair on 2 CPU cores, where it is most of
-    what a probe loses; session 43). Without it a change of mode costs nothing."""
+    target (with the built-in pair on 2 CPU cores, 20 us a token beyond a steady step's
+    draft wait, or 24-36 by the slope over the probes' first steps; session 43). Without it
+    a change of mode costs nothing."""
     rng = random.Random(seed)
     cursor = {budget: rng.randrange(len(pool)) for budget, pool in sorted(machine.pools.items())}
     clock = rng.uniform(0, machine.length_s)
@@ -370,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--catch-up-us", type=float, default=0.0,
                         help="microseconds of draft wait a token for the catch-up a speculative "
                              "step after plain ones pays (default 0: a change of mode costs "
-                             "nothing); the slope of draft_s over draft_input_tokens in the "
-                             "adaptive runs' first speculative steps after plain ones")
+                             "nothing): what those steps' draft_s exceeds a steady step's "
+                             "by, over their draft_input_tokens, in the adaptive runs")
     parser.add_argument("--batches", action="store_true",
                         help="instead: per timed run, its throughput against its tokens per "
                              "second per decoding sequence, its mean decode batch and (where "
