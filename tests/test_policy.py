@@ -656,6 +656,17 @@ def test_the_cost_of_a_draft_token_is_learnt_from_steady_steps():
     assert policy.prompt_ratio == pytest.approx(64 * 45 / (32 * 16 + 96 * 29))
 
 
+def observe_inputs(policy: AdaptivePolicy, budget: int, inputs: list[int],
+                   per_token: float) -> None:
+    """Speculative steps of 32 sequences with ``budget``, one per draft input in ``inputs``,
+    whose draft wait is 2 ms plus ``per_token`` a token sent."""
+    for n in inputs:
+        policy.observe(target_pb2.StepStats(
+            batch_size=32, speculated=True, tree_budget=budget, period_s=0.02,
+            total_s=0.02, committed_tokens=96, draft_s=0.002 + per_token * n,
+            draft_input_tokens=n))
+
+
 def test_each_budget_learns_its_own_cost_of_a_draft_token():
     """The tree's draft spends more on a new sequence's tokens than the chain's (30-45 against
     24 us at 32 streams on the H200): each budget's input_cost is its own once its steps give
@@ -665,18 +676,12 @@ def test_each_budget_learns_its_own_cost_of_a_draft_token():
 
     policy = AdaptivePolicy([DEFAULT, CHAIN], first_probe=10**6)
 
-    def observe(budget: int, inputs: list[int], per_token: float) -> None:
-        for n in inputs:
-            policy.observe(target_pb2.StepStats(
-                batch_size=32, speculated=True, tree_budget=budget, period_s=0.02,
-                total_s=0.02, committed_tokens=96, draft_s=0.002 + per_token * n,
-                draft_input_tokens=n))
-
-    observe(8, [96, 400] * 5, 0.00004)
-    observe(3, [96, 160, 224, 288], 0.00002)  # the first a change of mode: 1 pair far apart
+    observe_inputs(policy, 8, [96, 400] * 5, 0.00004)
+    # the first a change of mode: 1 pair far apart
+    observe_inputs(policy, 3, [96, 160, 224, 288], 0.00002)
     assert policy.input_cost(2) == 0.0 and MIN_SLOPES > 1
     assert policy.input_cost() == pytest.approx(0.00004)
-    observe(3, [96, 400] * 5, 0.00002)
+    observe_inputs(policy, 3, [96, 400] * 5, 0.00002)
     assert policy.input_cost(1) == pytest.approx(0.00004)
     assert policy.input_cost(2) == pytest.approx(0.00002)
 
@@ -689,16 +694,9 @@ def test_a_policy_that_borrows_judges_a_budget_of_unknown_cost_at_every_budgets(
                             unknown_cost=0.00001)
     assert policy.input_cost(2) == pytest.approx(0.00001)
 
-    def observe(budget: int, inputs: list[int], per_token: float) -> None:
-        for n in inputs:
-            policy.observe(target_pb2.StepStats(
-                batch_size=32, speculated=True, tree_budget=budget, period_s=0.02,
-                total_s=0.02, committed_tokens=96, draft_s=0.002 + per_token * n,
-                draft_input_tokens=n))
-
-    observe(8, [96, 400] * 5, 0.00004)
+    observe_inputs(policy, 8, [96, 400] * 5, 0.00004)
     assert policy.input_cost(2) == pytest.approx(0.00004) and not policy.cost_known(2)
-    observe(3, [96, 400] * 5, 0.00002)
+    observe_inputs(policy, 3, [96, 400] * 5, 0.00002)
     assert policy.input_cost(2) == pytest.approx(0.00002) and policy.cost_known(2)
 
 
