@@ -576,7 +576,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         prompts = all_prompts[:prompts_for(concurrency, args.num_prompts)]
         # one per concurrency: it learns across the repeats
         adaptive = AdaptivePolicy(adaptive_shapes("", shape))
-        variant = AdaptivePolicy(adaptive_shapes("", shape), **(args.variant or {}))
+        variant = (AdaptivePolicy(adaptive_shapes("", shape), **args.variant)
+                   if args.variant is not None else None)
         runs: dict[str, tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None] = {
             "OFF": None, "ON": SHAPES[args.shape], "chain": SHAPES["chain3"], "static": static,
             "adaptive": adaptive, "variant": variant}
