@@ -25,6 +25,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAttention
 from splitspec.kernels import HAS_TRITON
@@ -125,9 +126,19 @@ class TorchPrefix(PrefixAttention):
                     values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         k, v = self._keys(layer, cache)
         mask = torch.cat((self._valid.expand(-1, allowed.shape[1], -1), allowed), dim=2)
-        out, _ = masked_attention(self._split(q, k.shape[2]), torch.cat((k, keys.float()), 1),
-                                  torch.cat((v, values.float()), 1), mask)
-        return out.reshape(q.shape).to(q.dtype)
+        b, rows = allowed.shape[:2]
+        kv_heads, dim = k.shape[2], q.shape[2]
+        group = q.shape[1] // kv_heads
+        # [B, H_kv, group * W, D]: the query heads that share a KV head stacked, so one
+        # scaled_dot_product_attention (a third of masked_attention's time on the CPU)
+        queries = (self._split(q, kv_heads).permute(0, 2, 3, 1, 4)
+                   .reshape(b, kv_heads, group * rows, dim).float())
+        out = F.scaled_dot_product_attention(
+            queries, torch.cat((k, keys.float()), 1).transpose(1, 2),
+            torch.cat((v, values.float()), 1).transpose(1, 2),
+            attn_mask=mask.repeat(1, group, 1)[:, None])  # every row sees itself
+        return (out.view(b, kv_heads, group, rows, dim).permute(0, 3, 1, 2, 4)
+                .reshape(q.shape).to(q.dtype))
 
 
 def cascade_attention(layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
