@@ -15,7 +15,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from splitspec.attention.base import AttentionBackend, AttentionMetadata, SeqAttention, causal_mask
+from splitspec.attention.base import (
+    AttentionBackend,
+    AttentionMetadata,
+    SeqAttention,
+    causal_mask,
+    new_token_slots,
+)
 from splitspec.kv_cache import KVCache
 
 
@@ -24,7 +30,8 @@ class _Group:
     """Sequences with the same number of new tokens: their keys padded to the longest.
 
     Key j of sequence b is its logical slot j, read from page ``pages[b * K + j]`` at
-    ``offsets[b * K + j]`` (a padding key repeats slot 0 and is never attended)."""
+    ``offsets[b * K + j]`` (a padding key, past kv_len, reads a slot of the sequence's own
+    pages or of its first, and is never attended)."""
 
     rows: torch.Tensor | None  # [n * q] the pass's query rows (None: all of them, in order)
     pages: torch.Tensor        # [n * K]
@@ -67,21 +74,16 @@ def _group(seqs: list[SeqAttention], rows: torch.Tensor | None, device: torch.de
             mask[b] = False
             mask[b, :, :seq.kv_len] = dense.to(torch.bool)
     pages = tables[:, cols // page_size]
-    first = tables[:, :1].expand(n, keys)
-    pages = torch.where(cols[None, :] < lengths[:, None], pages, first)
-    offsets = torch.where(cols[None, :] < lengths[:, None], cols % page_size, 0)
+    offsets = (cols % page_size).repeat(n)
     return _Group(None if rows is None else rows.to(device), pages.reshape(-1).to(device),
-                  offsets.reshape(-1).to(device), mask.to(device), n, q, keys)
+                  offsets.to(device), mask.to(device), n, q, keys)
 
 
 class TorchAttentionBackend(AttentionBackend):
     def plan(self, seqs: list[SeqAttention], device: torch.device | str) -> TorchMetadata:
-        write: list[torch.Tensor] = []
+        write = torch.tensor(new_token_slots(seqs), dtype=torch.int64, device=device)  # checks
         starts, by_len = [0], {}
         for i, seq in enumerate(seqs):
-            if not 0 < seq.q_len <= seq.kv_len:
-                raise ValueError(f"need 0 < q_len <= kv_len, got q_len={seq.q_len} kv_len={seq.kv_len}")
-            write.append(seq.table.global_slots(seq.kv_len - seq.q_len, seq.kv_len, device))
             starts.append(starts[-1] + seq.q_len)
             by_len.setdefault(seq.q_len, []).append(i)
         groups = []
@@ -90,7 +92,7 @@ class TorchAttentionBackend(AttentionBackend):
             if len(by_len) > 1:
                 rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in members])
             groups.append(_group([seqs[i] for i in members], rows, device))
-        return TorchMetadata(torch.cat(write), groups)
+        return TorchMetadata(write, groups)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: TorchMetadata, cache: KVCache) -> torch.Tensor:
