@@ -729,7 +729,7 @@ def main(argv: list[str] | None = None) -> int:
                              "sizes the target's KV cache with --max-running")
     parser.add_argument("--modes", type=parse_modes, default=list(DEFAULT_MODES),
                         help="comma-separated modes to run: OFF and ON, and any of chain, "
-                             "static, adaptive (default: OFF, ON, static, adaptive)")
+                             "static, adaptive, variant (default: OFF, ON, static, adaptive)")
     parser.add_argument("--variant", type=parse_variant, default=None,
                         help="with the mode variant in --modes: a JSON object of keyword "
                              "arguments for a second AdaptivePolicy, run interleaved with the "
