@@ -22,12 +22,16 @@ gateway does), runs the policies ``--modes`` names (by default these four) inter
   per-round ratio to adaptive in the table.
 
 Each concurrency starts with ``--warmup`` untimed OFF, ON and adaptive (and variant) runs (adaptive
-learns in them, as a long-running gateway would have): the first
+learns in them, as a long-running gateway would have; with ``--min-run-s``, one more untimed
+run of each policy once the timed runs' size is known, since a warm-up of one wave of 64
+requests can end before the policy has judged anything): the first
 runs on a fresh target are slow (2 CPU cores, 64 streams: OFF 12.4 s then
 7.0 s for the same work), and a warm-up per concurrency covers new batch sizes
 too. Medians are reported; a ratio is the median of the per-repeat ratios
 (modes interleaved, so drift hits all alike); "best" is whichever of OFF and
-ON has the higher median. Beside adaptive / best goes a 90 % bootstrap interval (whole
+ON has the higher median. Each round's modes run in turn, their order shifted by one place
+each round (``--no-rotate``: the same order every round), against a bias of a run's place
+(:func:`round_order`). Beside adaptive / best goes a 90 % bootstrap interval (whole
 rounds resampled, the best chosen again in each resample): on a 2-core CPU two runs of
 one mode differ by up to 16 % (an A/A sweep, docs/benchmarks.md), so a few rounds
 cannot resolve a 3 % aim, and the interval says where they did not. Writes a markdown
@@ -123,6 +127,7 @@ from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, targ
 MODES = ("OFF", "ON", "chain", "static", "adaptive", "variant")
 DEFAULT_MODES = ("OFF", "ON", "static", "adaptive")  # and every report's before "chain"
 WARM_MODES = ("OFF", "ON", "chain", "adaptive", "variant")  # the modes with untimed runs
+LEARNING_MODES = ("adaptive", "variant")  # with --min-run-s, one more untimed run each
 AIM = 0.97  # adaptive within 3 % of the best of OFF and ON
 INTERVAL_LEVEL = 0.9     # of the bootstrap interval around adaptive / best
 BOOTSTRAP_SAMPLES = 2000
@@ -145,6 +150,20 @@ def parse_modes(text: str) -> list[str]:
             f"--modes must name OFF, ON and any of chain, static, adaptive, variant (got "
             f"{text!r})")
     return [mode for mode in MODES if mode in modes]
+
+
+def round_order(modes: list[str], repeat: int, rotate: bool) -> list[str]:
+    """The order of round ``repeat``'s runs: ``modes`` as given, or with ``rotate`` shifted
+    by one place each round, so that over len(modes) rounds each mode runs once in each
+    place. On the H200 at 64 streams (session 45, docs/benchmarks.md), in the order OFF, ON,
+    adaptive every round, adaptive's plain steps took 0.5-3 % longer than OFF's in each of
+    six rounds; with the order rotated, adaptive / OFF was 0.92-0.99 (mean 0.97) in the four
+    rounds that ran adaptive right after ON and 0.99 in the two that did not: a hint of a
+    bias, which rotation spreads over every mode alike."""
+    if not rotate:
+        return list(modes)
+    shift = repeat % len(modes)
+    return [*modes[shift:], *modes[:shift]]
 
 
 def parse_variant(text: str) -> dict[str, Any]:
@@ -425,11 +444,14 @@ def markdown(report: dict[str, Any]) -> str:
         f"{target}{settings['draft']} draft, {settings['shape_name']} shape "
         f"{'/'.join(map(str, settings['shape']))} (nodes/topk/depth); {settings['prompts']} "
         f"prompts{prompt_len} x {new_tokens_text(settings)} new tokens, greedy; "
-        f"{settings['repeats']} runs per mode, interleaved, medians, after "
+        f"{settings['repeats']} runs per mode, interleaved"
+        f"{' (the order rotated each round)' if settings.get('rotate') else ''}, medians, after "
         f"{settings.get('warmup', 0)} untimed {', '.join(warm[:-1])} and {warm[-1]} run(s) at "
         f"each concurrency" + (f"; timed runs sized to last at least {settings['min_run_s']:g} s "
                                "at the fastest mode's warm-up rate" if settings.get("min_run_s")
-                               else "") + "." + acceptance_line(report),
+                               else "")
+        + ("; one more untimed run of each policy at that size" if settings.get("policy_warmup")
+           else "") + "." + acceptance_line(report),
         "",
     ]
     names = {"OFF": "OFF", "ON": "ON", "chain": "chain 3", "static": f"static (<={threshold})",
@@ -560,6 +582,18 @@ def write_trace(path: Path | None, concurrency: int, mode: str, run: int,
                              separators=(",", ":")) + "\n")
 
 
+def untimed_run(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], lengths: list[int],
+                policy: Any, concurrency: int, mode: str, trace: Path | None,
+                start: float) -> float:
+    """One run not counted (a warm-up, traced as run -1): its tokens per second."""
+    stats = run_target(stub, prompts, lengths, policy, concurrency)
+    write_trace(trace, concurrency, mode, -1, stats)
+    print(f"warm-up: concurrency {concurrency}, {mode}: {stats.tokens_per_s:.1f} tok/s "
+          f"({stats.wall_s:.1f} s, {len(prompts)} prompts, not counted); "
+          f"{time.perf_counter() - start:.0f} s so far", file=sys.stderr, flush=True)
+    return stats.tokens_per_s
+
+
 def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
           args: argparse.Namespace, report: dict[str, Any],
           draft: draft_pb2_grpc.DraftStub | None = None) -> None:
@@ -594,12 +628,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         lengths = request_lengths(len(prompts), args.max_new_tokens, args.new_tokens_spread)
         for _ in range(args.warmup):
             for mode in warm_modes:
-                stats = run_target(stub, prompts, lengths, runs[mode], concurrency)
-                write_trace(args.step_trace, concurrency, mode, -1, stats)
-                entry["warmup_tokens_per_s"][mode].append(stats.tokens_per_s)
-                print(f"warm-up: concurrency {concurrency}, {mode}: {stats.tokens_per_s:.1f} "
-                      f"tok/s ({stats.wall_s:.1f} s, not counted); "
-                      f"{time.perf_counter() - start:.0f} s so far", file=sys.stderr, flush=True)
+                entry["warmup_tokens_per_s"][mode].append(untimed_run(
+                    stub, prompts, lengths, runs[mode], concurrency, mode, args.step_trace, start))
         if args.min_run_s and entry["warmup_tokens_per_s"][warm_modes[0]]:
             # Sized by time, not by prompts: a run of a few seconds is at the noise of a shared
             # machine (runs of 3.5 s at 8 streams varied by 1.3x for one mode and policy). The
@@ -612,8 +642,16 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
             entry["num_prompts"] = count
             print(f"concurrency {concurrency}: {count} prompts per timed run (at least "
                   f"{args.min_run_s:g} s at {fastest:.1f} tok/s)", file=sys.stderr, flush=True)
+            # A policy's warm-up of one wave can end before it judged anything where the batch
+            # is large (64 streams on an H200: 37 steps, no probe judged, and the first timed
+            # run began with 7 steps of the tree, 0.7x plain decoding there): one more untimed
+            # run of each policy, as long as a timed one.
+            for mode in LEARNING_MODES:
+                if mode in modes:
+                    untimed_run(stub, prompts, lengths, runs[mode], concurrency, mode,
+                                args.step_trace, start)
         for repeat in range(args.repeats):
-            for mode in modes:  # interleaved, so drift hits all alike
+            for mode in round_order(modes, repeat, args.rotate):  # interleaved: drift hits all
                 trees, misses = draft_counts(draft)
                 stats = run_target(stub, prompts, lengths, runs[mode], concurrency)
                 write_trace(args.step_trace, concurrency, mode, repeat, stats)
@@ -760,6 +798,11 @@ def main(argv: list[str] | None = None) -> int:
                         "from [(1 - F) x max, max], the same for every mode, so requests finish "
                         "and arrive one by one in every mode, as real traffic does")
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode; medians reported")
+    parser.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=True,
+                        help="shift the modes' order by one place each round, so that each "
+                             "mode runs in each place over as many rounds as modes, against a "
+                             "bias of a run's place in the round (default; --no-rotate: the "
+                             "same order every round, as every sweep before session 45 ran)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed OFF, ON and adaptive runs at each concurrency before the timed ones (adaptive learns in them)")
     parser.add_argument("--out-md", type=Path, help="write the markdown table here")
@@ -822,6 +865,8 @@ def main(argv: list[str] | None = None) -> int:
                      "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
                      "new_tokens_spread": args.new_tokens_spread,
                      "repeats": args.repeats, "warmup": args.warmup, "min_run_s": args.min_run_s,
+                     "rotate": args.rotate,
+                     "policy_warmup": bool(args.min_run_s and args.warmup),
                      "concurrency": args.concurrency, "modes": args.modes,
                      "random_weights": args.random_8b, "max_context": args.max_context or None,
                      "replay_corrupt_rate": args.replay_corrupt_rate if replay else None,

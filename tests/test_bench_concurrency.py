@@ -125,6 +125,19 @@ def test_modes_are_parsed_in_table_order_and_need_off_and_on():
             bc.parse_modes(text)
 
 
+def test_rotated_rounds_put_each_mode_once_in_each_place():
+    modes = ["OFF", "ON", "chain", "adaptive"]
+    assert all(bc.round_order(modes, r, False) == modes for r in range(5))
+    rounds = [bc.round_order(modes, r, True) for r in range(len(modes))]
+    assert rounds[1] == ["ON", "chain", "adaptive", "OFF"]
+    for place in range(len(modes)):
+        assert sorted(order[place] for order in rounds) == sorted(modes)
+    assert bc.round_order(modes, len(modes), True) == modes
+    report = json.loads(json.dumps(REPORT))
+    report["settings"]["rotate"] = True
+    assert "interleaved (the order rotated each round)" in bc.markdown(report)
+
+
 def test_a_variant_policy_is_keyword_arguments_checked_and_tabled_against_adaptive():
     """--variant's JSON must be keyword arguments an AdaptivePolicy takes; a report with the
     variant mode gives its per-round ratio to adaptive a column of its own."""
@@ -218,7 +231,8 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
          "--replay-corrupt-rate", "0", "--replay-features", "--prompts", "fixed",
          "--num-prompts", "4",
          "--concurrency", "1,2", "--repeats", "1", "--max-new-tokens", "8", "--max-context",
-         "64", "--modes", "OFF,ON,adaptive", "--new-tokens-spread", "0.5", "--out-json",
+         "64", "--modes", "OFF,ON,adaptive", "--new-tokens-spread", "0.5", "--min-run-s",
+         "0.01", "--out-json",
          str(out), "--out-md", str(table), "--step-trace", str(trace)],
         cwd=REPO, timeout=240, capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
@@ -251,9 +265,12 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         for mode, rates in entry["tokens_per_s"].items():
             assert round(rates[0] * entry["wall_s"][mode][0]) == work, mode
     runs = [json.loads(line) for line in trace.read_text().splitlines()]  # this sweep's only
+    # the warm-up, then (runs sized by time) adaptive once more, untimed, then the timed runs
+    order = [("OFF", -1), ("ON", -1), ("adaptive", -1), ("adaptive", -1), ("OFF", 0), ("ON", 0),
+             ("adaptive", 0)]
     assert [(r["concurrency"], r["mode"], r["run"]) for r in runs] == [
-        (c, mode, run) for c in (1, 2) for run in (-1, 0) for mode in ("OFF", "ON", "adaptive")]
-    for run, entry in zip(runs[3::6] + runs[4::6], report["results"] * 2, strict=True):
+        (c, mode, run) for c in (1, 2) for mode, run in order]
+    for run, entry in zip(runs[4::7] + runs[5::7], report["results"] * 2, strict=True):
         fields = run["fields"]
         steps = [dict(zip(fields, row, strict=True)) for row in run["steps"]]
         speculated = {s["speculated"] for s in steps if s["batch_size"]}
@@ -274,6 +291,8 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     header = table.read_text().splitlines()[0]
     assert f"{name} draft" in header
     assert "x 4-8 new tokens" in header and settings["new_tokens_spread"] == 0.5
+    assert "one more untimed run of each policy at that size" in header
+    assert "interleaved (the order rotated each round)" in header and settings["rotate"]
     assert f"{depth:.2f} expected at corrupt 0.00; replay misses in timed runs: 0 of" in header
 
 
