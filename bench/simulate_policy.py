@@ -84,7 +84,7 @@ def _read_runs(path: Path) -> list[dict[str, Any]]:
 def adaptive_steps(paths: list[Path], concurrency: int
                    ) -> Iterator[tuple[int, int, target_pb2.StepStats, int | None]]:
     """The steps of the traces' adaptive runs at ``concurrency``, in the recorded order (the
-    untimed run first): (run, -1 untimed; the step's index in its run; the step; the
+    untimed runs first): (run, -1 untimed; the step's index in its run; the step; the
     requests in flight the policy was told with it, None in a trace older than that)."""
     for path in paths:
         for run in _read_runs(path):
@@ -97,7 +97,7 @@ def adaptive_steps(paths: list[Path], concurrency: int
 
 def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], AdaptivePolicy]
            ) -> list[str]:
-    """Feeds the adaptive runs at ``concurrency`` (its untimed run first, in the recorded
+    """Feeds the adaptive runs at ``concurrency`` (its untimed runs first, in the recorded
     order) to one fresh policy, as ``bench_concurrency.py`` did, and returns each judgement
     and switch the policy logged, a line each (prefixed with the run, -1 untimed, and the
     step of that run the policy had just observed). With the
