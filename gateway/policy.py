@@ -143,6 +143,7 @@ OUTS = 256  # decode steps per bucket and mode whose requests out of the batch g
 MIN_ENDED = 16  # requests ended in them below which a mode's steps out are its bucket's
 SETTLED = 3  # decode steps of a mode in a row before its requests out of the batch are its own
 CONFIRM = 2  # probes of a mode whose mean ratio a switch to it needs, unless one is clear
+CATCHING_UP = 64  # steps a probe waits for the draft's deferred catch-up before it counts them
 
 
 def requests_out(in_flight: int, ended: int, batch_size: int) -> int:
@@ -206,6 +207,9 @@ class _Bucket:
     before: list = field(default_factory=list)  # the mode in use's steps just before the probe
     probe: list = field(default_factory=list)   # this probe's samples
     first: Sample | None = None  # this probe's first step (the change of mode: a catch-up)
+    late: float = 0.0  # seconds the steps before it that decoded without speculation while
+    # the draft caught up (StepStats.catching_up) took beyond off's steps before the probe
+    late_steps: int = 0  # how many there were
     back: Sample | None = None   # ... and the mode in use's first step after it (another)
     after: list = field(default_factory=list)   # ... and the mode in use's just after it
     ratios: defaultdict = field(default_factory=lambda: _deques(PAIRS))  # per other mode: its
@@ -318,6 +322,12 @@ class AdaptivePolicy:
     first step and at the first step back. A target that does not report
     draft_input_tokens leaves both as they were.
 
+    A target with ``--defer-catch-up`` does not wait for a return's catch-up: it decodes
+    without speculation until the draft has caught up, and says so (``catching_up``). Those
+    steps are not a probe's (it measures its ``probe_steps`` once they are over, waiting at
+    most CATCHING_UP steps), and their time beyond off's steps before the probe counts in
+    what it cost, as a catch-up the step waited for does.
+
     Rates are per request in flight, not per decoding sequence (:meth:`out_steps`): a
     request that ends leaves its stream out of the batch for a few steps, so at a fixed
     number of streams a mode that ends requests sooner decodes fewer sequences a step (the
@@ -417,6 +427,11 @@ class AdaptivePolicy:
         if mode == bucket.mode:
             if bucket.settling:  # the first step back after a probe (its catch-up counts in
                 bucket.settling, bucket.back = False, sample  # the probe's cost)
+            elif bucket.probe_left and bucket.fresh and stats.catching_up and bucket.before:
+                # a probe from off whose draft catches up beside the steps (the target's
+                # --defer-catch-up): left out, and not one of the probe's steps (_decide), but
+                # what it took beyond off's steps before the probe counts in the probe's cost
+                bucket.late += sample.period - mean_period(bucket.before)
             elif not bucket.probe_left:  # (a probe's steps the target ran late are left out)
                 # the steps after a probe are judged with it (the window starts over then)
                 (bucket.after if bucket.after_left else bucket.window).append(sample)
@@ -441,7 +456,7 @@ class AdaptivePolicy:
         if mode and stats.first_child_accepted:
             self._chain_gains(bucket, mode, stats)
         bucket.batches[mode].append(stats.batch_size)
-        self._decide(bucket, size)
+        self._decide(bucket, size, stats.catching_up)
         policy = self._build()
         if policy == self._policy:
             return None
@@ -621,8 +636,11 @@ class AdaptivePolicy:
                     bucket.lost.get(mode, 0.0) / self.probe_share / mean_period(bucket.window))
         return round(steps) << min(bucket.streaks[mode], self.max_doublings)
 
-    def _decide(self, bucket: _Bucket, size: int) -> None:
+    def _decide(self, bucket: _Bucket, size: int, catching_up: bool = False) -> None:
         if bucket.probe_left:
+            if catching_up and bucket.late_steps < CATCHING_UP:
+                bucket.late_steps += 1  # the probe's steps begin once the draft has caught up
+                return
             bucket.probe_left -= 1
             if bucket.probe_left == 0:
                 bucket.after_left, bucket.after = self.probe_steps, []
@@ -649,6 +667,7 @@ class AdaptivePolicy:
         if sudden or due[chosen] >= 1:
             bucket.probing, bucket.probe_left, bucket.probe = chosen, self.probe_steps, []
             bucket.first = bucket.back = None
+            bucket.late, bucket.late_steps = 0.0, 0
             bucket.since[chosen] = 0
             if chosen == bucket.recheck:
                 bucket.recheck = None
@@ -714,7 +733,8 @@ class AdaptivePolicy:
         # whatever they cost; the second says whether it is far behind, which spaces them
         # further (a mode whose steady steps are ahead never is: its probes cost a
         # catch-up, but it would pay that only once).
-        bucket.entry[other] = self._catch_up(bucket.first, other, bucket.probe)
+        bucket.entry[other] = (self._catch_up(bucket.first, other, bucket.probe)
+                               + max(bucket.late, 0.0))
         catch_ups = bucket.entry[other] + self._catch_up(bucket.back, bucket.mode, bucket.after)
         spent = sum(s.period for s in bucket.probe) + catch_ups
         bucket.costs[other] = spent / len(bucket.probe) / mean_period(current)

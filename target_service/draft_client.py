@@ -234,6 +234,11 @@ class DraftLink:
         self._sent += 1
         return Sent(request.step, time.monotonic() + self.timeout_s, "", restarted)
 
+    def ready(self, sent: Sent) -> bool:
+        """Whether :meth:`receive` would not wait for ``sent``'s reply: a reply (or the
+        stream's end) is in, or its deadline has passed, or it was never sent."""
+        return bool(sent.error) or not self._replies.empty() or time.monotonic() >= sent.deadline
+
     def receive(self, sent: Sent) -> ExchangeResult:
         """The reply to ``sent``, or why there is none by its deadline; replies to earlier
         requests still on the stream are dropped."""

@@ -13,6 +13,12 @@ step, before its deltas are emitted (Engine._send_early): the next step uses
 the trees of the sequences whose tokens and shape it still matches and asks
 again for the others (after a new policy, or a cancellation that changed the
 batch size and with it the policy's shape).
+
+With ``defer_catch_up`` a return to speculation (the step before verified no
+tree) that would send the draft more than that many tokens for a sequence does
+not wait for the draft to catch up: the catch-up is sent alone, with no tree
+asked, and the steps decode without speculation until its reply is in, taken
+then as an early request's (Engine._defers).
 """
 
 from __future__ import annotations
@@ -93,6 +99,8 @@ class EngineLimits:
     default_shape: common_pb2.DraftShape
     eos_ids: frozenset[int]
     early_exchange: bool = False  # ask for the next step's trees at the end of this one
+    defer_catch_up: int = 0  # tokens: a return to speculation that would send a sequence more
+    # catches the draft up while that sequence decodes one more step without (0: never)
 
 
 class _Call(NamedTuple):
@@ -116,6 +124,7 @@ class _Early(NamedTuple):
     seqs: dict[int, tuple[int, common_pb2.DraftShape]]  # seq_id -> (its tokens then, shape)
     releases: list[int]                                 # the release_ids it carried
     tokens: int                                         # tokens it sent (its catch-up)
+    catch_up: bool = False  # a deferred catch-up (Engine._send_catch_up): no trees asked
 
 
 class _Stream(NamedTuple):
@@ -206,6 +215,7 @@ class Engine:
         self._step_traceparent = b""
         self._pending_releases: list[int] = []
         self._early: _Early | None = None  # the next step's draft request, already sent
+        self._speculated = False  # whether the last step that decoded verified a tree
         self._pending: dict[int, list[target_pb2.TokenDelta]] = {}  # stream id -> deltas to send
         self._lock = threading.Lock()
         self.failure = ""  # why the engine cannot serve any more (see abort)
@@ -514,13 +524,15 @@ class Engine:
         result = self._forward(prefill, decode, trees)
         forward_end = time.perf_counter()
         drafted, accepted, kept = self._commit(prefill, decode, trees, result)
-        if self.limits.early_exchange:
+        if self.limits.early_exchange and self._early is None:
             self._early = self._send_early()
         committed = sum(kept)
         end = time.perf_counter()
         period_start = start if self._period_start is None else self._period_start
         self._period_start = end
         speculated = any(t.num_nodes for t in trees.values())
+        if decode:
+            self._speculated = speculated
         self.last_stats = target_pb2.StepStats(
             step=self._step, batch_size=len(decode),
             prefill_tokens=sum(len(s.prompt_ids) for s in prefill),
@@ -536,7 +548,7 @@ class Engine:
             first_child_accepted=first_child_counts(decode, trees, result.accepted, kept),
             finished_prompt_tokens=self._finished[0],
             finished_generated_tokens=self._finished[1], finished_requests=self._finished[2],
-            held_sequences=held)
+            held_sequences=held, catching_up=self._early is not None and self._early.catch_up)
         self._finished = [0, 0, 0]
         self._record_step(self.last_stats, span)
         span.end()
@@ -595,10 +607,14 @@ class Engine:
         """The trees of the sequences that speculate this step ({} when none can) and the
         largest tree size asked of the draft: from the request the last step sent early
         (:meth:`_send_early`) for the sequences whose shape and tokens it still matches, and
-        from one exchange for the others."""
+        from one exchange for the others; none while a deferred catch-up runs
+        (:meth:`_defers`)."""
         shapes, wanting = self._wanting(decode)
         budget = max((shapes[s.seq_id].num_draft_tokens for s in wanting), default=0)
         early, self._early = self._early, None
+        if early is not None and early.catch_up and not self.draft.ready(early.sent):
+            self._early = early  # the draft is still catching up: decode without waiting
+            return {}, 0
         trees: dict[int, Tree] = {}
         if early is not None:  # its reply first: the draft has caught up on what it sent
             self._draft_input_tokens += early.tokens
@@ -612,6 +628,10 @@ class Engine:
             trees = {i: tree for i, tree in early_trees.items() if i in matched}
             wanting = [s for s in wanting if s.seq_id not in matched]
         if wanting and self.draft is not None:
+            caught_up = early is not None and early.catch_up  # (the rest it waits for)
+            if not caught_up and self._defers(wanting):
+                self._early = self._send_catch_up(wanting)
+                return {}, 0
             request, asked, features = self._draft_request(wanting, shapes, self._step)
             sent = self.draft.send(request, features)
             self._draft_input_tokens += _input_tokens(request)
@@ -620,6 +640,27 @@ class Engine:
                                     list(request.release_ids), trees):
                 return {}, 0
         return trees, budget
+
+    def _defers(self, wanting: list[Sequence]) -> bool:
+        """Whether this step leaves the draft's catch-up to run beside it: when the last step
+        verified no tree (speculation returns, after plain decoding or a draft that was away)
+        and a sequence would send the draft more than ``defer_catch_up`` tokens. A return from
+        off at 64 streams on an H200 sent about 5,000 tokens with their features, 44-62 ms
+        against a 7 ms plain step (docs/benchmarks.md, thirty-eighth part)."""
+        limit = self.limits.defer_catch_up
+        return bool(limit) and not self._speculated and any(
+            len(s.tokens) - s.draft_synced > limit for s in wanting)
+
+    def _send_catch_up(self, seqs: list[Sequence]) -> _Early:
+        """Send the draft ``seqs``' catch-up alone (no trees asked) without waiting for it:
+        until its reply is in, the steps decode without speculation and send the draft
+        nothing; the step that finds it in takes it as an early request's (whose trees it
+        never matches), and those sequences then send only what was committed since."""
+        catch_up = dict.fromkeys((s.seq_id for s in seqs), NO_SPECULATION)
+        request, asked, features = self._draft_request(seqs, catch_up, self._step)
+        self._draft_input_tokens += _input_tokens(request)  # this step's: it sent them
+        return _Early(self.draft.send(request, features), asked, list(request.release_ids), 0,
+                      catch_up=True)
 
     def _wanting(self, decode: list[Sequence]
                  ) -> tuple[dict[int, common_pb2.DraftShape], list[Sequence]]:

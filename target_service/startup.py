@@ -503,7 +503,7 @@ def start_rank0(cfg: TargetConfig, startup: Startup, parts: RankParts, server: S
                           max_prefill_tokens=cfg.max_prefill_tokens,
                           max_tree_nodes=cfg.max_tree_nodes, default_shape=default_shape,
                           eos_ids=frozenset(spec.config.eos_token_ids),
-                          early_exchange=cfg.early_exchange)
+                          early_exchange=cfg.early_exchange, defer_catch_up=cfg.defer_catch_up)
     engine = Engine(parts.runner, Scheduler(parts.pool, cfg.max_running, cfg.max_tree_nodes),
                     limits, draft.link if draft else None, draft.capture if draft else ())
     start_engine(engine)

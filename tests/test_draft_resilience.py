@@ -20,6 +20,11 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["def parse(text):\n", "class Config:\n", "import sys\n\n", "for key in sorted(",
            "    return self._", "with open(path, 'rb') as f:\n"]
 TREE = common_pb2.DraftShape(num_draft_tokens=8, topk=4, num_steps=4)
+# How the target exchanges with the draft: each step's request in the step (the default), sent
+# at the end of the step before, or with a return to speculation's catch-up of more than one
+# token left to the draft while the step decodes without (every return, in these tests)
+EXCHANGES = pytest.mark.parametrize("flags", [[], ["--early-exchange"], ["--defer-catch-up", "1"]],
+                                    ids=["exchange", "early-exchange", "deferred-catch-up"])
 
 
 def policy(speculate: bool) -> target_pb2.ServeRequest:
@@ -62,13 +67,12 @@ def prompts():
     return [tokenizer.encode(p) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["exchange", "early-exchange"])
-def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts, early):
+@EXCHANGES
+def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts, flags):
     # With --early-exchange every toggle finds the request sent the step before for the
     # other policy: its trees are dropped, and the draft is asked again.
     draft = Service("draft_service", [], tmp_path).wait_serving()
-    target = Service("target_service", ["--draft", draft.address,
-                                        *(["--early-exchange"] if early else [])],
+    target = Service("target_service", ["--draft", draft.address, *flags],
                      tmp_path).wait_serving()
     try:
         plain, _ = serve(target, prompts, 48, speculate=False)
@@ -79,6 +83,8 @@ def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts,
     assert toggled == plain
     stats = [e.stats for e in steps]
     assert any(s.speculated for s in stats) and any(not s.speculated for s in stats[1:])
+    if "--defer-catch-up" in flags:  # a step that sent a catch-up and verified no tree
+        assert any(s.draft_input_tokens and not s.speculated for s in stats)
     # which budget each step ran (the target's default tree: 8 nodes)
     assert all(s.tree_budget == (8 if s.speculated else 0) for s in stats)
     # What the speculation policy reads: a decode step's committed tokens are the tokens it
@@ -101,12 +107,11 @@ def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts,
     assert not any(s.first_child_accepted for s in stats if not s.speculated)
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["exchange", "early-exchange"])
-def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts, early):
+@EXCHANGES
+def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts, flags):
     draft = Service("draft_service", [], tmp_path).wait_serving()
     target = Service("target_service", ["--draft", draft.address, "--draft-timeout-s", "1",
-                                        *(["--early-exchange"] if early else [])],
-                     tmp_path).wait_serving()
+                                        *flags], tmp_path).wait_serving()
     gateway = Service("gateway", ["--target", target.address], tmp_path).wait_serving()
     stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(gateway.address))
 
@@ -142,13 +147,12 @@ def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts, early):
             service.stop()
 
 
-@pytest.mark.parametrize("early", [False, True], ids=["exchange", "early-exchange"])
-def test_slow_draft_exchanges_are_skipped_without_changing_output(tmp_path, prompts, early):
+@EXCHANGES
+def test_slow_draft_exchanges_are_skipped_without_changing_output(tmp_path, prompts, flags):
     draft = Service("draft_service", [], tmp_path,
                     env={"SPLITSPEC_INJECT_DRAFT_FAULT": "slow"}).wait_serving()
     target = Service("target_service", ["--draft", draft.address, "--draft-timeout-s", "0.2",
-                                        *(["--early-exchange"] if early else [])],
-                     tmp_path).wait_serving()
+                                        *flags], tmp_path).wait_serving()
     try:
         plain, _ = serve(target, prompts, 32, speculate=False)
         slow, steps = serve(target, prompts, 32)

@@ -53,12 +53,12 @@ class NullRunner:
 @contextlib.contextmanager
 def running_engine(runner: NullRunner, pool: PagePool, draft: object = None,
                    shape: common_pb2.DraftShape | None = None, early: bool = False,
-                   capture: tuple[int, ...] = ()) -> Iterator[Engine]:
-    """An engine over ``runner`` (and ``draft``, speculating with ``shape``) with its loop on
-    a thread named engine-loop, stopped after."""
+                   capture: tuple[int, ...] = (), defer: int = 0) -> Iterator[Engine]:
+    """An engine over ``runner`` (and ``draft``, speculating with ``shape``; ``defer``: its
+    defer_catch_up) with its loop on a thread named engine-loop, stopped after."""
     engine = Engine(runner, Scheduler(pool, 4, 8),
                     EngineLimits(8, 64, 64, 8, shape or common_pb2.DraftShape(), frozenset(),
-                                 early_exchange=early), draft, capture)
+                                 early_exchange=early, defer_catch_up=defer), draft, capture)
     if draft is not None:
         draft.engine = engine
     stop = threading.Event()
@@ -398,6 +398,9 @@ class ChainDraft:
                                 parents=list(range(s.shape.num_draft_tokens)))
             for s in request.seqs]))
         return Sent(request.step, time.monotonic() + 5, "", False)
+
+    def ready(self, sent: Sent) -> bool:
+        return True  # every reply is in as soon as its request is sent
 
     def receive(self, sent: Sent) -> ExchangeResult:
         reply = self._replies.pop(0)
@@ -793,3 +796,130 @@ def test_a_request_refused_while_a_step_waits_for_the_draft_is_answered():
         deltas, _ = deltas_by_step(outbox, 2)
     assert deltas[2] == [(2, [], common_pb2.FINISH_REASON_ERROR)]
     assert [t for _, tokens, _ in deltas[1] for t in tokens] == [7] * 6
+
+
+def _policy(*entries: tuple[int, common_pb2.DraftShape]) -> target_pb2.ServeRequest:
+    return target_pb2.ServeRequest(policy=target_pb2.SpecPolicy(entries=[
+        target_pb2.SpecPolicy.Entry(max_batch_size=size, shape=shape) for size, shape in entries]))
+
+
+def _auto(request_id: int, prompt: list[int], max_new: int) -> target_pb2.ServeRequest:
+    request = admit(request_id, prompt, max_new)
+    request.admit.speculation = common_pb2.SPECULATION_MODE_AUTO
+    return request
+
+
+
+
+class TurningRunner(NullRunner):
+    """NullRunner that, during its ``at``-th forward, submits ``request`` on ``stream`` of
+    ``engine``: a policy that holds from the next step."""
+
+    def __init__(self, at: int, request: target_pb2.ServeRequest) -> None:
+        super().__init__()
+        self.at, self.request = at, request
+        self.engine: Engine | None = None
+        self.stream = 0
+
+    def forward(self, batch):
+        if len(self.forwards) + 1 == self.at:
+            self.engine.submit(self.stream, self.request)
+        return super().forward(batch)
+
+
+class CatchingUpDraft(ChainDraft):
+    """ChainDraft whose reply to a request that asks no tree is in only once the engine has
+    asked whether it is ``busy_steps`` times (a catch-up that takes that many steps)."""
+
+    def __init__(self, busy_steps: int) -> None:
+        super().__init__()
+        self.busy_steps = busy_steps
+        self.asked: list[int] = []  # the engine steps that asked
+
+    def ready(self, sent: Sent) -> bool:
+        self.asked.append(self.engine._step)
+        return len(self.asked) > self.busy_steps
+
+
+def _run_off_then_on(defer: int, early: bool = False, busy_steps: int = 0
+                     ) -> tuple[dict, dict, list[tuple[int, draft_pb2.DraftRequest]]]:
+    """One request of 12 tokens after a 9-token prompt under a policy that never speculates,
+    turned to the chain at batch 1 after its 6th forward (the prefill and 5 plain steps):
+    deltas and stats by step, and the draft's requests (a draft whose catch-up is in only
+    after ``busy_steps`` more steps)."""
+    draft = CatchingUpDraft(busy_steps)
+    runner = TurningRunner(6, _policy((1, CHAIN), (8, common_pb2.DraftShape())))
+    with running_engine(runner, PagePool(8), draft, CHAIN, early, defer=defer) as engine:
+        runner.engine = engine
+        runner.stream, outbox = engine.open_stream()
+        engine.submit(runner.stream, _policy((8, common_pb2.DraftShape())))
+        engine.submit(runner.stream, _auto(1, [3, 1, 4, 1, 5, 0, 2, 6, 5], 12))
+        deltas, stats = deltas_by_step(outbox, 1)
+    return deltas, stats, draft.sent
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_a_return_to_speculation_catches_the_draft_up_while_the_step_decodes_without(early):
+    """defer_catch_up: the first step after plain ones whose sequence would send the draft
+    more than that many tokens sends them alone (no tree asked) and decodes that sequence
+    without a tree; the next step sends only what it committed, and verifies a tree. The
+    tokens are those of a step that waits for the catch-up. With the early exchange, the
+    step that defers sends nothing early (the catch-up is the next step's early request)."""
+    waited, waited_stats, waited_sent = _run_off_then_on(0, early)
+    deferred, stats, sent = _run_off_then_on(8, early)
+    tokens = [t for _, chunk, _ in deferred[1] for t in chunk]
+    assert tokens == [t for _, chunk, _ in waited[1] for t in chunk] == [7] * 12
+    # waiting: the first request carries the prompt and every token so far, and asks a tree
+    first = waited_sent[0][1].seqs[0]
+    assert first.start == 0 and first.shape == CHAIN and len(first.new_tokens) == 9 + 6
+    assert waited_stats[waited_sent[0][0]].speculated
+    # deferred: the same catch-up, with no tree asked, in a step that verifies none ...
+    (sent_in, catch_up), (next_in, after) = sent[:2]
+    item = catch_up.seqs[0]
+    assert item.start == 0 and item.shape == common_pb2.DraftShape()
+    assert len(item.new_tokens) == 9 + 6
+    assert not stats[sent_in].speculated and stats[sent_in].batch_size == 1
+    assert stats[sent_in].draft_input_tokens == len(item.new_tokens)  # the step that sent it
+    # ... and the next step sends the one token that step committed, and speculates
+    assert next_in == sent_in + 1 and after.seqs[0].shape == CHAIN
+    assert after.seqs[0].start == len(item.new_tokens) and len(after.seqs[0].new_tokens) == 1
+    assert stats[next_in].speculated
+    assert stats[next_in].draft_input_tokens == len(after.seqs[0].new_tokens)
+
+
+def test_the_steps_decode_without_speculation_until_the_deferred_catch_up_is_in():
+    """A catch-up the draft takes three more steps over: those steps decode without a tree
+    and send the draft nothing; the step that finds the reply in sends what was committed
+    since (4 tokens: this step's and the three's) and verifies a tree. Output unchanged."""
+    deltas, stats, sent = _run_off_then_on(8, busy_steps=3)
+    assert [t for _, chunk, _ in deltas[1] for t in chunk] == [7] * 12
+    (sent_in, catch_up), (next_in, after) = sent[:2]
+    assert catch_up.seqs[0].shape == common_pb2.DraftShape()
+    assert next_in == sent_in + 4
+    assert [stats[n].speculated for n in range(sent_in, next_in + 1)] == [False] * 4 + [True]
+    assert [stats[n].draft_input_tokens for n in range(sent_in + 1, next_in)] == [0] * 3
+    assert after.seqs[0].start == len(catch_up.seqs[0].new_tokens)
+    assert len(after.seqs[0].new_tokens) == 4
+
+
+def test_a_catch_up_within_the_limit_or_after_a_speculative_step_is_waited_for():
+    """No deferral where the catch-up is at most defer_catch_up tokens, or where the step before
+    verified a tree (a prompt that joins a batch that speculates: its catch-up is the steady
+    state's)."""
+    _, stats, sent = _run_off_then_on(15)  # the whole catch-up is 15 tokens
+    assert sent[0][1].seqs[0].shape == CHAIN and stats[sent[0][0]].speculated
+    draft = ChainDraft()
+    with running_engine(SlowRunner(), PagePool(8), draft, CHAIN, defer=2) as engine:
+        stream, outbox = engine.open_stream()
+        engine.submit(stream, admit(1, [3, 1], 40))
+        while len(draft.sent) < 4:  # speculating: its later steps send 1-3 tokens
+            outbox.get(timeout=10)
+        engine.submit(stream, admit(2, [2, 7, 1, 6, 2, 6], 4))
+        deltas, _ = deltas_by_step(outbox, 2)
+    assert deltas[2][-1][0] < deltas[1][-1][0]  # request 2 ran beside request 1
+    shapes = {(s.seq_id, s.shape.num_draft_tokens) for _, request in draft.sent
+              for s in request.seqs}
+    # the first request was deferred (the engine had not speculated yet); request 2's prompt
+    # joined a speculating batch: sent with a tree asked, never alone
+    assert draft.sent[0][1].seqs[0].shape == common_pb2.DraftShape()
+    assert (2, 0) not in shapes and (2, CHAIN.num_draft_tokens) in shapes

@@ -894,3 +894,39 @@ def test_adaptive_judges_modes_by_what_a_stream_gets_not_a_decoding_sequence():
                 out=0, steps=2000)
     assert alone.tokens_per_request == 48 and alone.buckets[1].outs[1]
     assert alone.out_steps(alone.buckets[1], 1) == alone.out_steps(alone.buckets[1], 0) == 0
+
+
+def deferred_probe(catching_up: bool) -> tuple[float, int]:
+    """A bucket settled on off (the tree 3x slower) probes the tree; the target runs the
+    probe's first 3 steps without speculation, 30 ms each against off's 10, reporting them
+    as ``catching_up`` (a deferred catch-up) or not (a probe applied late). Returns what the
+    policy counts as the probe's catch-up once judged (its ``entry``) and the tree steps it
+    judged."""
+    policy = AdaptivePolicy([DEFAULT], first_probe=16, probe_every=50)
+    bucket = policy.buckets[bucket_of(4)]
+    late = 0
+    for _ in range(600):
+        if speculates(policy, 4) and late < 3:
+            stats = step(4, False, 0.03)
+            stats.catching_up = catching_up
+            late += 1
+        elif speculates(policy, 4):
+            stats = step(4, True, 0.03, accepted=4)
+        else:
+            stats = step(4, False, 0.01)
+            late = 0
+        policy.observe(stats)
+        if not bucket.is_on and 1 in bucket.entry and bucket.ratios[1] and not bucket.probe_left:
+            return bucket.entry[1], len(bucket.probe)
+    raise AssertionError("the probe was never judged")
+
+
+def test_a_probe_waits_for_a_deferred_catch_up_and_counts_its_time():
+    """The target's --defer-catch-up: the steps that decode without speculation while the
+    draft catches up (StepStats.catching_up) are not the probe's, which then measures its
+    full 8 steps (the first left out as the change of mode), and their time beyond off's
+    steps (3 x 20 ms) is what the probe's catch-up cost, which spaces the next probes. Steps
+    a probe was applied late are counted among its steps (so it measures fewer), at no
+    cost."""
+    assert deferred_probe(True) == (pytest.approx(0.06), 7)
+    assert deferred_probe(False) == (0.0, 4)
