@@ -96,20 +96,52 @@ class RunStats:
                                                     strict=True)]
 
 
+class Probes:
+    """A policy that probes from off on a fixed schedule: ``every`` decode steps without
+    speculation, then ``steps`` speculative ones with ``shape`` (steps the target decodes
+    without, e.g. while a deferred catch-up runs, do not count), and again: the adaptive
+    policy's probes from off, without its judgement, so that what the returns to speculation
+    cost can be compared, their catch-ups waited for or deferred
+    (``--target-flag=--defer-catch-up``). Fed like the adaptive policy, it changes the
+    policy once the step that ends a phase is seen (the target applies it a step or two
+    later)."""
+
+    def __init__(self, shape: common_pb2.DraftShape, every: int = 40, steps: int = 8) -> None:
+        self._tables = (target_pb2.SpecPolicy(), static_policy(0, shape))
+        self._phases = (every, steps)
+        self._on = False
+        self._left = every
+
+    @property
+    def policy(self) -> target_pb2.SpecPolicy:
+        return self._tables[self._on]
+
+    def observe(self, stats: target_pb2.StepStats,
+                in_flight: int | None = None) -> target_pb2.SpecPolicy | None:
+        if not stats.batch_size or (self._on and not stats.speculated):
+            return None
+        self._left -= 1
+        if self._left > 0:
+            return None
+        self._on = not self._on
+        self._left = self._phases[self._on]
+        return self.policy
+
+
 def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_new: int | list[int],
-               shape: tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None,
+               shape: tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | Probes | None,
                concurrency: int) -> RunStats:
     """Generate every prompt (`max_new` new tokens, or `max_new[i]` for prompt i), keeping
     `concurrency` in flight, on one Serve stream whose policy drafts `shape` at every batch
-    size (None: speculation off), is a ready policy table, or follows an adaptive policy fed
-    with every step's statistics (as the gateway does)."""
+    size (None: speculation off), is a ready policy table, or follows an adaptive policy (or
+    `Probes`) fed with every step's statistics (as the gateway does)."""
     lengths = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
     if len(lengths) != len(prompts):
         raise ValueError(f"{len(lengths)} lengths for {len(prompts)} prompts")
     requests: queue.Queue = queue.Queue()
     stats = RunStats()
     mode = common_pb2.SPECULATION_MODE_OFF
-    adaptive = shape if isinstance(shape, AdaptivePolicy) else None
+    adaptive = shape if isinstance(shape, AdaptivePolicy | Probes) else None
     if adaptive is not None:
         policy = adaptive.policy
     elif isinstance(shape, tuple):
@@ -193,15 +225,18 @@ def time_split(steps: list[target_pb2.StepStats], wall_s: float) -> dict[str, fl
     decode steps and its speculative ones (each step's own time, start to end); of the
     speculative ones, those right after a plain decode step (the draft catching up on every
     token since it last drafted: a probe's first step, which the adaptive policy leaves out
-    of its judgement) and their draft exchange; and the rest, time between steps (the loop
-    waiting for work, e.g. the client's next request, and its own overhead). Counts under
-    ``*_steps``."""
+    of its judgement) and their draft exchange; of the plain ones, those that sent the draft
+    tokens (``--defer-catch-up``: a return to speculation's catch-up, sent while the step
+    decodes without a tree; or a request sent early) and their draft wait; and the rest, time
+    between steps (the loop waiting for work, e.g. the client's next request, and its own
+    overhead). Counts under ``*_steps``."""
     ordered = sorted(steps, key=lambda s: s.step)
     prompts = [s for s in ordered if not s.batch_size]
     plain = [s for s in ordered if s.batch_size and not s.speculated]
     speculative = [s for s in ordered if s.speculated]
     resumed = [s for prev, s in zip(ordered, ordered[1:], strict=False)
                if s.speculated and prev.batch_size and not prev.speculated]
+    sending = [s for s in plain if s.draft_input_tokens]
     return {
         "wall_s": wall_s,
         "prompts_s": sum(s.total_s for s in prompts), "prompts_steps": len(prompts),
@@ -209,6 +244,8 @@ def time_split(steps: list[target_pb2.StepStats], wall_s: float) -> dict[str, fl
         "speculative_s": sum(s.total_s for s in speculative), "speculative_steps": len(speculative),
         "resumed_s": sum(s.total_s for s in resumed), "resumed_steps": len(resumed),
         "resumed_draft_s": sum(s.draft_s for s in resumed),
+        "plain_sending_s": sum(s.total_s for s in sending), "plain_sending_steps": len(sending),
+        "plain_sending_draft_s": sum(s.draft_s for s in sending),
         "between_steps_s": wall_s - sum(s.total_s for s in ordered),
     }
 
@@ -216,7 +253,10 @@ def time_split(steps: list[target_pb2.StepStats], wall_s: float) -> dict[str, fl
 def describe_split(split: dict[str, float]) -> str:
     return (f"wall {split['wall_s']:.3f} s = prompts alone {split['prompts_s']:.3f} "
             f"({split['prompts_steps']}) + plain steps {split['plain_s']:.3f} "
-            f"({split['plain_steps']}) + speculative {split['speculative_s']:.3f} "
+            f"({split['plain_steps']}; of which sending the draft tokens "
+            f"{split.get('plain_sending_s', 0.0):.3f} ({split.get('plain_sending_steps', 0)}), "
+            f"their draft {split.get('plain_sending_draft_s', 0.0):.3f}) + speculative "
+            f"{split['speculative_s']:.3f} "
             f"({split['speculative_steps']}; of which right after plain ones "
             f"{split['resumed_s']:.3f} ({split['resumed_steps']}), their draft "
             f"{split['resumed_draft_s']:.3f}) + between steps {split['between_steps_s']:.3f}")
@@ -353,7 +393,9 @@ def main() -> int:
                              "'adaptive' runs the gateway's adaptive policy with the tree shape; "
                              "'auto-off' sends speculation-capable (AUTO) requests under a policy "
                              "that never speculates: what adaptive costs once it settles on off, "
-                             "without its probes")
+                             "without its probes; 'probes' decodes 40 steps without speculation, "
+                             "then 8 with the tree, and again: adaptive's probes from off on a "
+                             "fixed schedule, what their returns to speculation cost")
     parser.add_argument("--prompts", default="fixed", choices=["fixed", "heldout"],
                         help="8 fixed code prompts, or snippets of held-out stdlib files")
     parser.add_argument("--num-prompts", type=int, default=16, help="with --prompts heldout")
@@ -382,7 +424,8 @@ def main() -> int:
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     names = args.shapes.split(",")
-    shapes = {name: SHAPES[name] for name in names if name not in ("adaptive", "auto-off")}
+    shapes = {name: SHAPES[name] for name in names
+              if name not in ("adaptive", "auto-off", "probes")}
     with_adaptive = "adaptive" in names
     procs: list[subprocess.Popen] = []
     targets = {"": args.target}  # label -> address; the first stack's label is ""
@@ -408,6 +451,8 @@ def main() -> int:
             "OFF": None, **shapes}
         if "auto-off" in names:
             modes["auto-off"] = target_pb2.SpecPolicy()  # no entries: never speculate
+        if "probes" in names:
+            modes["probes"] = "probes"
         if with_adaptive:
             modes["adaptive"] = "adaptive"
         rates: dict[tuple[str, str], list[float]] = {(t, m): [] for t in stubs for m in modes}
@@ -415,14 +460,15 @@ def main() -> int:
         records: dict[str, dict[str, list[dict]]] = {t: {m: [] for m in modes} for t in stubs}
         warmups: dict[str, dict[str, list[dict]]] = {t: {m: [] for m in modes} for t in stubs}
         num, topk, steps = SHAPES["tree"]
-        policies = {label: AdaptivePolicy(adaptive_shapes("", common_pb2.DraftShape(
-            num_draft_tokens=num, topk=topk, num_steps=steps))) for label in stubs}
+        tree = common_pb2.DraftShape(num_draft_tokens=num, topk=topk, num_steps=steps)
+        policies = {label: AdaptivePolicy(adaptive_shapes("", tree)) for label in stubs}
         for round_ in range(args.warmup + args.repeats):
             timed = round_ >= args.warmup
             for name, shape in modes.items():  # interleaved, so drift hits all alike
                 for label, stub in stubs.items():
                     # one policy per stack: it learns
-                    run_shape = policies[label] if shape == "adaptive" else shape
+                    run_shape = (policies[label] if shape == "adaptive" else
+                                 Probes(tree) if shape == "probes" else shape)
                     stats = run_target(stub, prompts, args.max_new_tokens, run_shape,
                                        args.concurrency)
                     (records if timed else warmups)[label][name].append(run_record(stats))

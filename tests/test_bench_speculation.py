@@ -16,17 +16,18 @@ from splitspec.v1 import common_pb2, target_pb2
 
 
 def step(n: int, speculated: bool, total_s: float, draft_s: float = 0.0,
-         batch_size: int = 1) -> target_pb2.StepStats:
+         batch_size: int = 1, sent: int = 0) -> target_pb2.StepStats:
     return target_pb2.StepStats(step=n, batch_size=batch_size, speculated=speculated,
-                                total_s=total_s, draft_s=draft_s)
+                                total_s=total_s, draft_s=draft_s, draft_input_tokens=sent)
 
 
 def test_a_runs_time_splits_into_prompts_plain_speculative_resumed_and_between_steps():
     """A prompt alone, then a speculative step (after a prompt: not counted as resuming),
-    plain steps, a probe of two speculative steps whose first resumes after plain ones (its
-    draft exchange carries the catch-up), and plain again; given out of order: the split
-    orders them by step number."""
-    steps = [step(5, True, 0.004, draft_s=0.003), step(2, False, 0.001), step(3, False, 0.001),
+    plain steps (one sends the draft a deferred catch-up), a probe of two speculative
+    steps whose first resumes after plain ones (its draft exchange carries the catch-up), and
+    plain again; given out of order: the split orders them by step number."""
+    steps = [step(5, True, 0.004, draft_s=0.003), step(2, False, 0.001),
+             step(3, False, 0.001, draft_s=0.0004, sent=40),
              step(4, False, 0.001), step(6, True, 0.002, draft_s=0.001), step(7, False, 0.001),
              step(1, True, 0.002, draft_s=0.001), step(0, False, 0.003, batch_size=0)]
     split = bs.time_split(steps, wall_s=0.020)
@@ -35,9 +36,12 @@ def test_a_runs_time_splits_into_prompts_plain_speculative_resumed_and_between_s
     assert split["speculative_steps"] == 3 and split["speculative_s"] == pytest.approx(0.008)
     assert split["resumed_steps"] == 1 and split["resumed_s"] == pytest.approx(0.004)
     assert split["resumed_draft_s"] == pytest.approx(0.003)
+    assert split["plain_sending_steps"] == 1 and split["plain_sending_s"] == pytest.approx(0.001)
+    assert split["plain_sending_draft_s"] == pytest.approx(0.0004)
     assert split["between_steps_s"] == pytest.approx(0.020 - 0.015)
     text = bs.describe_split(split)
-    assert "prompts alone 0.003 (1) + plain steps 0.004 (4)" in text
+    assert "prompts alone 0.003 (1) + plain steps 0.004 (4; of which sending the draft " \
+        "tokens 0.001 (1), their draft 0.000)" in text
     assert "between steps 0.005" in text
 
 
@@ -55,3 +59,23 @@ def test_every_run_is_recorded_with_its_rate_parts_and_time_split():
     assert record["plain_step"]["steps"] == 1
     assert record["time_split"]["between_steps_s"] == pytest.approx(0.012)
     json.dumps(record)  # it must be writable as JSON
+
+
+def test_probes_turn_the_tree_on_for_a_few_steps_after_every_run_of_plain_ones():
+    """--shapes probes: off for `every` decode steps, the tree for `steps` speculative ones,
+    and again; steps that only prefill do not count, nor in the tree's phase plain ones."""
+    tree = common_pb2.DraftShape(num_draft_tokens=8, topk=4, num_steps=4)
+    probes = bs.Probes(tree, every=3, steps=2)
+    assert not probes.policy.entries
+    seen = []
+    for n in range(13):
+        on = bool(probes.policy.entries) and n != 5  # step 5: a deferred catch-up's
+        changed = probes.observe(target_pb2.StepStats(step=n, batch_size=0 if n == 1 else 4,
+                                                      speculated=on))
+        seen.append(None if changed is None else bool(changed.entries))
+    # decode steps 0, 2, 3 end the first off phase; 4, 6 the tree's; 7, 8, 9 off; 10, 11 tree
+    assert seen == [None, None, None, True, None, None, False, None, None, True, None, False,
+                    None]
+    assert probes.policy == target_pb2.SpecPolicy()
+    assert probes.observe(target_pb2.StepStats(batch_size=1)) is None
+    assert [e.shape for e in probes.observe(target_pb2.StepStats(batch_size=1)).entries] == [tree]
