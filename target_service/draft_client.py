@@ -235,8 +235,10 @@ class DraftLink:
         return Sent(request.step, time.monotonic() + self.timeout_s, "", restarted)
 
     def ready(self, sent: Sent) -> bool:
-        """Whether :meth:`receive` would not wait for ``sent``'s reply: a reply (or the
-        stream's end) is in, or its deadline has passed, or it was never sent."""
+        """Whether :meth:`receive` would take ``sent``'s reply without waiting: a reply (or
+        the stream's end) is in, or its deadline has passed, or it was never sent. (A late
+        reply to an earlier request also counts: receive then drops it and waits, within the
+        deadline, for this one's.)"""
         return bool(sent.error) or not self._replies.empty() or time.monotonic() >= sent.deadline
 
     def receive(self, sent: Sent) -> ExchangeResult:
