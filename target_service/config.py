@@ -55,10 +55,10 @@ class TargetConfig:
                                   "docs/benchmarks.md)")
     defer_catch_up: int = option(0, "tokens: when speculation returns after plain decoding "
                                  "(a policy's change, a draft that was away) and a sequence "
-                                 "would send the draft more than this many tokens, the steps "
-                                 "go on without speculation while the draft catches up, "
-                                 "instead of one step waiting for it (the same tokens either "
-                                 "way). 0 = the step waits")
+                                 "generated more than this many tokens the draft has not seen, "
+                                 "the steps go on without speculation while the draft catches "
+                                 "up, instead of one step waiting for it (the same tokens "
+                                 "either way). 0 = the step waits")
     drain_timeout_s: float = option(25.0, "on SIGTERM / SIGINT: seconds to let the requests in "
                                     "flight finish (health NOT_SERVING; new requests are "
                                     "refused, and the gateway answers them UNAVAILABLE) before "

@@ -15,14 +15,15 @@ again for the others (after a new policy, or a cancellation that changed the
 batch size and with it the policy's shape).
 
 With ``defer_catch_up`` a return to speculation (the step before verified no
-tree) that would send the draft more than that many tokens for a sequence does
-not wait for the draft to catch up: the catch-up is sent alone, with no tree
+tree) where a sequence generated more than that many tokens the draft has not
+seen does not wait for the draft to catch up: the catch-up is sent alone, with no tree
 asked, and the steps decode without speculation until its reply is in, taken
 then as an early request's (Engine._defers).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -300,6 +301,14 @@ class Engine:
                         return tokens, delta.spec
         finally:
             self.close_stream(stream_id)
+
+    def defer_catch_ups(self, tokens: int) -> None:
+        """Thread-safe: ``defer_catch_up`` from the next step on. Start-up sets it once warmup
+        is over: warmup's checks need its short requests to verify trees, and on a draft
+        that had timed out a deferred catch-up queued behind the late reply left all of a
+        request's 8 tokens to plain steps."""
+        self.call(lambda: setattr(self, "limits", dataclasses.replace(
+            self.limits, defer_catch_up=tokens)))
 
     def call(self, fn: Callable[[], object], timeout_s: float = 60.0) -> object:
         """Thread-safe: run fn on the engine thread between two steps and return its result
@@ -644,12 +653,16 @@ class Engine:
     def _defers(self, wanting: list[Sequence]) -> bool:
         """Whether this step leaves the draft's catch-up to run beside it: when the last step
         verified no tree (speculation returns, after plain decoding or a draft that was away)
-        and a sequence would send the draft more than ``defer_catch_up`` tokens. A return from
-        off at 64 streams on an H200 sent about 5,000 tokens with their features, 44-62 ms
-        against a 7 ms plain step (docs/benchmarks.md, thirty-eighth part)."""
+        and a sequence generated more than ``defer_catch_up`` tokens the draft has not seen. A
+        return from off at 64 streams on an H200 sent about 5,000 tokens with their features,
+        44-62 ms against a 7 ms plain step (docs/benchmarks.md, thirty-eighth part). A new
+        sequence's prompt alone does not count: sending it is what a steady run does (a
+        step that waited for it would not speculate less), and on 2 CPU cores at 2 streams
+        every request that began after a plain step (the batch at 1 between two requests,
+        where the policy differed) was deferred, 173 times in five runs."""
         limit = self.limits.defer_catch_up
         return bool(limit) and not self._speculated and any(
-            len(s.tokens) - s.draft_synced > limit for s in wanting)
+            len(s.tokens) - max(s.draft_synced, len(s.prompt_ids)) > limit for s in wanting)
 
     def _send_catch_up(self, seqs: list[Sequence]) -> _Early:
         """Send the draft ``seqs``' catch-up alone (no trees asked) without waiting for it:

@@ -503,12 +503,14 @@ def start_rank0(cfg: TargetConfig, startup: Startup, parts: RankParts, server: S
                           max_prefill_tokens=cfg.max_prefill_tokens,
                           max_tree_nodes=cfg.max_tree_nodes, default_shape=default_shape,
                           eos_ids=frozenset(spec.config.eos_token_ids),
-                          early_exchange=cfg.early_exchange, defer_catch_up=cfg.defer_catch_up)
+                          early_exchange=cfg.early_exchange)
     engine = Engine(parts.runner, Scheduler(parts.pool, cfg.max_running, cfg.max_tree_nodes),
                     limits, draft.link if draft else None, draft.capture if draft else ())
     start_engine(engine)
     startup.step("warmup", warmup, engine, draft.link.info if draft else None, default_shape,
                  ranks_ready, cfg.dtype == "float32")
+    if cfg.defer_catch_up:  # (warmup's steps wait for every catch-up: see defer_catch_ups)
+        engine.defer_catch_ups(cfg.defer_catch_up)
     info = target_pb2.TargetInfo(
         model_name=cfg.model.name, vocab_size=spec.config.vocab_size,
         tokenizer_sha256=spec.tokenizer_sha256, eos_token_ids=list(spec.config.eos_token_ids),

@@ -860,13 +860,13 @@ def _run_off_then_on(defer: int, early: bool = False, busy_steps: int = 0
 
 @pytest.mark.parametrize("early", [False, True])
 def test_a_return_to_speculation_catches_the_draft_up_while_the_step_decodes_without(early):
-    """defer_catch_up: the first step after plain ones whose sequence would send the draft
-    more than that many tokens sends them alone (no tree asked) and decodes that sequence
-    without a tree; the next step sends only what it committed, and verifies a tree. The
+    """defer_catch_up: the first step after plain ones whose sequence generated more than that
+    many tokens the draft has not seen (6, in 5 plain steps and the prefill) sends its
+    catch-up alone (no tree asked) and decodes without a tree; the next step sends only what it committed, and verifies a tree. The
     tokens are those of a step that waits for the catch-up. With the early exchange, the
     step that defers sends nothing early (the catch-up is the next step's early request)."""
     waited, waited_stats, waited_sent = _run_off_then_on(0, early)
-    deferred, stats, sent = _run_off_then_on(8, early)
+    deferred, stats, sent = _run_off_then_on(4, early)
     tokens = [t for _, chunk, _ in deferred[1] for t in chunk]
     assert tokens == [t for _, chunk, _ in waited[1] for t in chunk] == [7] * 12
     # waiting: the first request carries the prompt and every token so far, and asks a tree
@@ -891,7 +891,7 @@ def test_the_steps_decode_without_speculation_until_the_deferred_catch_up_is_in(
     """A catch-up the draft takes three more steps over: those steps decode without a tree
     and send the draft nothing; the step that finds the reply in sends what was committed
     since (4 tokens: this step's and the three's) and verifies a tree. Output unchanged."""
-    deltas, stats, sent = _run_off_then_on(8, busy_steps=3)
+    deltas, stats, sent = _run_off_then_on(4, busy_steps=3)
     assert [t for _, chunk, _ in deltas[1] for t in chunk] == [7] * 12
     (sent_in, catch_up), (next_in, after) = sent[:2]
     assert catch_up.seqs[0].shape == common_pb2.DraftShape()
@@ -902,24 +902,24 @@ def test_the_steps_decode_without_speculation_until_the_deferred_catch_up_is_in(
     assert len(after.seqs[0].new_tokens) == 4
 
 
-def test_a_catch_up_within_the_limit_or_after_a_speculative_step_is_waited_for():
-    """No deferral where the catch-up is at most defer_catch_up tokens, or where the step before
-    verified a tree (a prompt that joins a batch that speculates: its catch-up is the steady
-    state's)."""
-    _, stats, sent = _run_off_then_on(15)  # the whole catch-up is 15 tokens
+def test_a_return_within_the_limit_a_new_prompt_or_a_step_after_a_tree_waits_for_its_catch_up():
+    """No deferral where no sequence generated more than defer_catch_up tokens the draft has
+    not seen (6 in 5 plain steps and the prefill, at 6); for a new sequence's prompt, however
+    long (a steady run sends every prompt: here the first request on an engine that has not
+    yet verified a tree, a prompt of 8 at 2); nor where the step before verified a tree."""
+    _, stats, sent = _run_off_then_on(6)
     assert sent[0][1].seqs[0].shape == CHAIN and stats[sent[0][0]].speculated
     draft = ChainDraft()
     with running_engine(SlowRunner(), PagePool(8), draft, CHAIN, defer=2) as engine:
         stream, outbox = engine.open_stream()
-        engine.submit(stream, admit(1, [3, 1], 40))
+        engine.submit(stream, admit(1, [3, 1, 4, 1, 5, 0, 2, 6], 40))
         while len(draft.sent) < 4:  # speculating: its later steps send 1-3 tokens
             outbox.get(timeout=10)
         engine.submit(stream, admit(2, [2, 7, 1, 6, 2, 6], 4))
         deltas, _ = deltas_by_step(outbox, 2)
     assert deltas[2][-1][0] < deltas[1][-1][0]  # request 2 ran beside request 1
-    shapes = {(s.seq_id, s.shape.num_draft_tokens) for _, request in draft.sent
-              for s in request.seqs}
-    # the first request was deferred (the engine had not speculated yet); request 2's prompt
-    # joined a speculating batch: sent with a tree asked, never alone
-    assert draft.sent[0][1].seqs[0].shape == common_pb2.DraftShape()
-    assert (2, 0) not in shapes and (2, CHAIN.num_draft_tokens) in shapes
+    first = draft.sent[0][1].seqs[0]
+    assert first.start == 0 and len(first.new_tokens) == 9 and first.shape == CHAIN
+    # request 2's prompt joined a speculating batch: sent with a tree asked too
+    assert {s.shape.num_draft_tokens for _, r in draft.sent for s in r.seqs} == {2}
+    assert {s.seq_id for _, r in draft.sent for s in r.seqs} == {1, 2}
