@@ -100,8 +100,9 @@ class EngineLimits:
     default_shape: common_pb2.DraftShape
     eos_ids: frozenset[int]
     early_exchange: bool = False  # ask for the next step's trees at the end of this one
-    defer_catch_up: int = 0  # tokens: a return to speculation that would send a sequence more
-    # catches the draft up while that sequence decodes one more step without (0: never)
+    defer_catch_up: int = 0  # tokens: a return to speculation where a sequence generated more
+    # that the draft has not seen decodes without speculation while the draft catches up
+    # (Engine._defers; 0: the step waits for the catch-up)
 
 
 class _Call(NamedTuple):
