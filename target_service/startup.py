@@ -118,6 +118,9 @@ def load_config(cfg: TargetConfig, where: Placement = ONE_RANK) -> Detailed:
     if cfg.num_draft_tokens > cfg.max_tree_nodes or cfg.topk < 1 or cfg.num_steps < 1:
         raise ValueError("--num-draft-tokens, --topk and --num-steps must be positive")
     cfg.verify_graph_sizes  # noqa: B018 (a bad --graph-tree-sizes fails here, not at capture)
+    if cfg.defer_catch_up < 0:
+        raise ValueError(f"--defer-catch-up {cfg.defer_catch_up}: give tokens, or 0 for a "
+                         "return to speculation that waits for the draft's catch-up")
     if cfg.feature_memory_dir and not Path(cfg.feature_memory_dir).is_dir():
         raise ValueError(f"--feature-memory-dir {cfg.feature_memory_dir} is not a directory "
                          "(mount the volume the draft sees there, or leave the flag out)")

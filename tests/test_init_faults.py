@@ -149,6 +149,15 @@ def test_a_feature_memory_dir_that_is_not_there_fails_load_config(draft, tmp_pat
         failed[0]["error_message"]
 
 
+def test_a_negative_defer_catch_up_fails_load_config():
+    from target_service.config import TargetConfig
+    from target_service.startup import load_config
+
+    with pytest.raises(ValueError, match="--defer-catch-up -1: give tokens, or 0"):
+        load_config(TargetConfig(defer_catch_up=-1))
+    assert load_config(TargetConfig(defer_catch_up=16)).value is not None
+
+
 def test_graph_tree_sizes_default_to_the_tree_and_the_small_chain():
     from target_service.config import TargetConfig
 
