@@ -809,8 +809,6 @@ def _auto(request_id: int, prompt: list[int], max_new: int) -> target_pb2.ServeR
     return request
 
 
-
-
 class TurningRunner(NullRunner):
     """NullRunner that, during its ``at``-th forward, submits ``request`` on ``stream`` of
     ``engine``: a policy that holds from the next step."""
@@ -897,6 +895,8 @@ def test_the_steps_decode_without_speculation_until_the_deferred_catch_up_is_in(
     assert catch_up.seqs[0].shape == common_pb2.DraftShape()
     assert next_in == sent_in + 4
     assert [stats[n].speculated for n in range(sent_in, next_in + 1)] == [False] * 4 + [True]
+    assert [stats[n].catching_up for n in range(sent_in - 1, next_in + 1)] == (
+        [False] + [True] * 4 + [False])
     assert [stats[n].draft_input_tokens for n in range(sent_in + 1, next_in)] == [0] * 3
     assert after.seqs[0].start == len(catch_up.seqs[0].new_tokens)
     assert len(after.seqs[0].new_tokens) == 4
