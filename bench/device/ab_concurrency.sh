@@ -8,7 +8,9 @@
 #     CONC=32 ROUNDS=1 bash bench/device/ab_concurrency.sh [more bench_concurrency.py flags]
 # The sweep: the 8B shape with RANDOM weights and the replay draft at corrupt 0.18, OFF, ON
 # and adaptive, 3 rounds of runs of at least 4 s at CONC (default 32) streams; the flags add
-# to it (e.g. --replay-features --feature-memory-mb 256). Each sweep starts its own stack
+# to it (e.g. --replay-features --feature-memory-mb 256); HEAD_FLAGS adds flags to the working
+# tree's sweep alone, so that a tree of the same commit (ab_prepare.sh HEAD base) is the
+# control for a flag (HEAD_FLAGS="--target-flag=--defer-catch-up=16"). Each sweep starts its own stack
 # (about 100 s before its first run); 1-2 concurrencies a tree fit a call for two trees.
 # Writes $OUT/ab_conc.log (everything printed), and per round and tree the results
 # (conc_I_NAME.json) and step traces (steps_I_NAME.jsonl.gz, which bench/simulate_policy.py
@@ -28,6 +30,11 @@ for i in $(seq 1 "$rounds"); do
     round_order "$i"
     for which in "${order[@]}"; do
         rev=$(cat "${src[$which]}/REV" 2>/dev/null || echo the working tree)
+        extra=()
+        if [ "$which" = head ] && [ -n "${HEAD_FLAGS:-}" ]; then
+            read -r -a extra <<< "$HEAD_FLAGS"
+            rev="$rev, with $HEAD_FLAGS"
+        fi
         echo "== round $i, $which ($rev)" | tee -a "$OUT/ab_conc.log"
         (cd "${src[$which]}/bench" && PYTHONPATH="$root/.site:${src[$which]}" timeout 280 \
             python3 -u bench_concurrency.py --start --device cuda --dtype bfloat16 --random-8b \
@@ -35,7 +42,7 @@ for i in $(seq 1 "$rounds"); do
             --max-new-tokens 48 --max-context 256 --concurrency "${CONC:-32}" \
             --modes OFF,ON,adaptive --repeats 3 --min-run-s 4 --machine "one H200" \
             --out-json "$OUT/conc_${i}_$which.json" --step-trace "/tmp/steps_${i}_$which.jsonl" \
-            "$@") >> "$OUT/ab_conc.log" 2>&1
+            "$@" ${extra[@]+"${extra[@]}"}) >> "$OUT/ab_conc.log" 2>&1
         echo "$which: rc $?" | tee -a "$OUT/ab_conc.log"
         if [ -f "/tmp/steps_${i}_$which.jsonl" ]; then
             gzip -c "/tmp/steps_${i}_$which.jsonl" > "$OUT/steps_${i}_$which.jsonl.gz"
