@@ -5,7 +5,7 @@
 # policy change is told from a change of machine (OFF's runs differed by 5-10 % between
 # machines in sessions 37-38, and adaptive's by 5 % between two policies that ran the same
 # budgets). Carry ".whl" and ".out"; limit 600 s:
-#     CONC=32 ROUNDS=1 bash bench/device/ab_concurrency.sh [more bench_concurrency.py flags]
+#     CONC=32 ROUNDS=1 [FIRST_ROUND=1] bash bench/device/ab_concurrency.sh [more flags]
 # The sweep: the 8B shape with RANDOM weights and the replay draft at corrupt 0.18, OFF, ON
 # and adaptive, 3 rounds of runs of at least 4 s at CONC (default 32) streams; the flags add
 # to it (e.g. --replay-features --feature-memory-mb 256); HEAD_FLAGS adds flags to the working
@@ -26,7 +26,8 @@ for which in "${trees[@]}"; do  # every tree tokenizes with the working tree's b
         ln -s "$root/splitspec/builtin/models" "${src[$which]}/splitspec/builtin/models"
     fi
 done
-for i in $(seq 1 "$rounds"); do
+first=${FIRST_ROUND:-1}  # a later call's rounds: FIRST_ROUND=2 begins with the order reversed
+for i in $(seq "$first" $((first + rounds - 1))); do
     round_order "$i"
     for which in "${order[@]}"; do
         rev=$(cat "${src[$which]}/REV" 2>/dev/null || echo the working tree)
