@@ -21,8 +21,8 @@ PROMPTS = ["def parse(text):\n", "class Config:\n", "import sys\n\n", "for key i
            "    return self._", "with open(path, 'rb') as f:\n"]
 TREE = common_pb2.DraftShape(num_draft_tokens=8, topk=4, num_steps=4)
 # How the target exchanges with the draft: each step's request in the step (the default), sent
-# at the end of the step before, or with a return to speculation's catch-up of more than one
-# token left to the draft while the step decodes without (every return, in these tests)
+# at the end of the step before, or with a return to speculation whose sequences generated more
+# than one token the draft has not seen decoding without it while the draft catches up
 EXCHANGES = pytest.mark.parametrize("flags", [[], ["--early-exchange"], ["--defer-catch-up", "1"]],
                                     ids=["exchange", "early-exchange", "deferred-catch-up"])
 
