@@ -326,9 +326,10 @@ def parting(engine: Engine, name: str, tokens: list[int], plain: list[int], exac
 
 def warmup(engine: Engine, draft_info: draft_pb2.DraftInfo | None,
            default_shape: common_pb2.DraftShape, wait_ranks: Callable[[], str],
-           exact: bool = True) -> Detailed:
+           exact: bool = True, defer_catch_up: int = 0) -> Detailed:
     """Real generations through every path: plain, and with a draft tree and a chain, greedy
-    and sampled.
+    and sampled; then, with ``defer_catch_up``, the engine's deferred catch-ups on (its
+    checks need every step to wait for the draft: see Engine.defer_catch_ups).
 
     Speculation must reproduce plain decoding, greedy and seeded-sampled alike (a seeded
     request draws the same number for the same position either way); a mismatch fails
@@ -369,6 +370,9 @@ def warmup(engine: Engine, draft_info: draft_pb2.DraftInfo | None,
             raise RuntimeError(f"warmup with a {name} never verified a draft tree "
                                f"(plain steps {stats.plain_steps}, rejected {stats.rejected_trees})")
     agree = "agree" if exact else "agree up to rounding"
+    if defer_catch_up:
+        engine.defer_catch_ups(defer_catch_up)
+        notes += f"; from now on a catch-up of over {defer_catch_up} tokens is deferred"
     return Detailed(None, f"{ranks}plain, tree and chain {agree}, greedy and sampled{notes}")
 
 
@@ -511,9 +515,7 @@ def start_rank0(cfg: TargetConfig, startup: Startup, parts: RankParts, server: S
                     limits, draft.link if draft else None, draft.capture if draft else ())
     start_engine(engine)
     startup.step("warmup", warmup, engine, draft.link.info if draft else None, default_shape,
-                 ranks_ready, cfg.dtype == "float32")
-    if cfg.defer_catch_up:  # (warmup's steps wait for every catch-up: see defer_catch_ups)
-        engine.defer_catch_ups(cfg.defer_catch_up)
+                 ranks_ready, cfg.dtype == "float32", cfg.defer_catch_up)
     info = target_pb2.TargetInfo(
         model_name=cfg.model.name, vocab_size=spec.config.vocab_size,
         tokenizer_sha256=spec.tokenizer_sha256, eos_token_ids=list(spec.config.eos_token_ids),
