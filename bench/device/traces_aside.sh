@@ -25,7 +25,8 @@ case "${1:-}" in
     *)
         echo "usage: bash bench/device/traces_aside.sh aside|back"; exit 2 ;;
 esac
-tree=$(git ls-files -z --cached --others --exclude-standard | while IFS= read -r -d '' f; do
-    [ -f "$f" ] && stat -c %s "$f"; done | awk '{s += $1} END {print s + 0}')
+# (the tracked files moved aside are listed too: stat skips them)
+tree=$({ git ls-files -z --cached --others --exclude-standard \
+    | xargs -0 stat -c %s 2>/dev/null || true; } | awk '{s += $1} END {print s + 0}')
 carried=$(du -sb .whl .out 2>/dev/null | awk '{s += $1} END {print s + 0}')
 echo "a device call would send $(( (tree + carried) / 1048576 )) MiB (the tree $(( tree / 1048576 )), .whl and .out $(( carried / 1048576 ))); the limit is 64"
