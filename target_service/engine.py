@@ -281,25 +281,48 @@ class Engine:
                  sampling: common_pb2.SamplingParams | None = None,
                  timeout_s: float = 60.0) -> tuple[list[int], common_pb2.SpecStats]:
         """Run one request through the live loop, on a stream of its own (warmup and tests)."""
+        tokens: list[int] = []
+        ended: list[common_pb2.SpecStats] = []
+
+        def take(event: target_pb2.ServeEvent) -> bool:
+            for delta in event.deltas:
+                tokens.extend(delta.token_ids)
+                if delta.finish_reason:
+                    ended.append(delta.spec)
+            return bool(ended)
+
+        self.run_stream([target_pb2.Admit(
+            request_id=1, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+            ignore_eos=True, speculation=mode, sampling=sampling)], policy, take, timeout_s)
+        return tokens, ended[0]
+
+    def run_stream(self, admits: list[target_pb2.Admit], policy: target_pb2.SpecPolicy | None,
+                   until: Callable[[target_pb2.ServeEvent], bool],
+                   timeout_s: float = 60.0) -> None:
+        """Run ``admits`` through the live loop on a stream of their own (warmup and tests),
+        handing each event to ``until`` until it returns True; closing the stream then
+        cancels whatever still runs. A request that fails, the stream's end or no event
+        within ``timeout_s`` raises RuntimeError."""
         stream_id, outbox = self.open_stream()
         if policy is not None:
             self.submit(stream_id, target_pb2.ServeRequest(policy=policy))
-        self.submit(stream_id, target_pb2.ServeRequest(admit=target_pb2.Admit(
-            request_id=1, prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
-            ignore_eos=True, speculation=mode, sampling=sampling)))
-        tokens: list[int] = []
+        for admit in admits:
+            self.submit(stream_id, target_pb2.ServeRequest(admit=admit))
         deadline = time.monotonic() + timeout_s
         try:
             while True:
-                event = outbox.get(timeout=max(deadline - time.monotonic(), 0.001))
-                if event is None:  # the stream ended before the request finished
+                try:
+                    event = outbox.get(timeout=max(deadline - time.monotonic(), 0.001))
+                except queue.Empty:
+                    raise RuntimeError(f"generation failed: no step within {timeout_s:.0f} s"
+                                       ) from None
+                if event is None:  # the stream ended before the requests finished
                     raise RuntimeError(f"generation failed: {self.failure or 'stream closed'}")
                 for delta in event.deltas:
-                    tokens.extend(delta.token_ids)
                     if delta.finish_reason == common_pb2.FINISH_REASON_ERROR:
                         raise RuntimeError(f"generation failed: {delta.error}")
-                    if delta.finish_reason:
-                        return tokens, delta.spec
+                if until(event):
+                    return
         finally:
             self.close_stream(stream_id)
 

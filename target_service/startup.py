@@ -67,6 +67,10 @@ RANK_SKIPS = {"bind_port": "only rank 0 serves gRPC",
               "start_server": "only rank 0 serves gRPC"}
 WARMUP_PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 WARMUP_NEW_TOKENS = 8
+DEFER_CHECK = 4  # tokens: the deferral limit warmup's check of a deferred return runs with
+DEFER_CHECK_TOKENS = 128  # the most tokens that check's longer request may take to verify a
+                          # tree after the return (it is cancelled once it has; fewer where
+                          # the context is shorter)
 
 
 class ModelSpec(NamedTuple):
@@ -328,8 +332,9 @@ def warmup(engine: Engine, draft_info: draft_pb2.DraftInfo | None,
            default_shape: common_pb2.DraftShape, wait_ranks: Callable[[], str],
            exact: bool = True, defer_catch_up: int = 0) -> Detailed:
     """Real generations through every path: plain, and with a draft tree and a chain, greedy
-    and sampled; then, with ``defer_catch_up``, the engine's deferred catch-ups on (its
-    checks need every step to wait for the draft: see Engine.defer_catch_ups).
+    and sampled; then, with ``defer_catch_up``, a return to speculation whose catch-up is
+    deferred (:func:`deferred_return`), and the engine's deferred catch-ups on (the checks
+    before need every step to wait for the draft: see Engine.defer_catch_ups).
 
     Speculation must reproduce plain decoding, greedy and seeded-sampled alike (a seeded
     request draws the same number for the same position either way); a mismatch fails
@@ -371,9 +376,55 @@ def warmup(engine: Engine, draft_info: draft_pb2.DraftInfo | None,
                                f"(plain steps {stats.plain_steps}, rejected {stats.rejected_trees})")
     agree = "agree" if exact else "agree up to rounding"
     if defer_catch_up:
+        notes += deferred_return(engine, default_shape, exact)
         engine.defer_catch_ups(defer_catch_up)
         notes += f"; from now on a catch-up of over {defer_catch_up} tokens is deferred"
     return Detailed(None, f"{ranks}plain, tree and chain {agree}, greedy and sampled{notes}")
+
+
+def deferred_return(engine: Engine, shape: common_pb2.DraftShape, exact: bool) -> str:
+    """--defer-catch-up's path run once for real: two requests of the warmup prompt under a
+    policy that speculates at batch 1 alone. Beside the shorter one (DEFER_CHECK + 2
+    tokens) the longer decodes plainly; alone, it returns to speculation with that many
+    tokens the draft has not seen, whose catch-up the engine, deferring over DEFER_CHECK,
+    sends alone and decodes beside. Once the longer request has verified a tree after that
+    catch-up it is cancelled: its tokens must be plain decoding's (up to a near-tie, as
+    :func:`parting`). Raises RuntimeError when no catch-up was deferred or no tree verified
+    after it within DEFER_CHECK_TOKENS tokens (a draft that stays slow: the deferral itself
+    did nothing wrong, but it cannot be said to work)."""
+    engine.defer_catch_ups(DEFER_CHECK)
+    policy = target_pb2.SpecPolicy(entries=[
+        target_pb2.SpecPolicy.Entry(max_batch_size=1, shape=shape),
+        target_pb2.SpecPolicy.Entry(max_batch_size=2**32 - 1, shape=common_pb2.DraftShape())])
+    longer = min(DEFER_CHECK_TOKENS, engine.limits.max_context - len(WARMUP_PROMPT))
+    tokens: list[int] = []
+    seen = {"catching_up": 0, "after": 0}
+
+    def until(event: target_pb2.ServeEvent) -> bool:
+        for delta in event.deltas:
+            if delta.request_id != 1:
+                continue
+            tokens.extend(delta.token_ids)
+            if delta.finish_reason:
+                raise RuntimeError(
+                    f"a return to speculation after {DEFER_CHECK + 2} plain tokens "
+                    + (f"deferred its catch-up ({seen['catching_up']} steps decoded beside "
+                       f"it) but verified no tree before the request's end ({len(tokens)} tokens)"
+                       if seen["catching_up"] else "deferred no catch-up"))
+        seen["catching_up"] += event.stats.catching_up
+        seen["after"] += bool(seen["catching_up"]) and event.stats.speculated
+        return bool(seen["after"])
+
+    engine.run_stream([target_pb2.Admit(request_id=rid, prompt_ids=WARMUP_PROMPT,
+                                        max_new_tokens=n, ignore_eos=True,
+                                        speculation=common_pb2.SPECULATION_MODE_AUTO)
+                       for rid, n in ((1, longer), (2, DEFER_CHECK + 2))],
+                      policy, until)
+    plain, _ = engine.generate(WARMUP_PROMPT, len(tokens), common_pb2.SPECULATION_MODE_OFF)
+    steps = seen["catching_up"]
+    return (f"; a return to speculation decoded {steps} step{'s' * (steps != 1)} beside its "
+            f"deferred catch-up and verified trees"
+            + parting(engine, "the deferred return", tokens, plain, exact))
 
 
 def bind_port(cfg: TargetConfig) -> Detailed:

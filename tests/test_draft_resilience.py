@@ -85,6 +85,7 @@ def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts,
     assert any(s.speculated for s in stats) and any(not s.speculated for s in stats[1:])
     if "--defer-catch-up" in flags:  # on from warmup's end: a step sent a catch-up alone
         assert "from now on a catch-up of over 1 tokens is deferred" in target.log
+        assert "beside its deferred catch-up and verified trees" in target.log  # warmup's check
         assert any(s.draft_input_tokens and not s.speculated for s in stats)
     # which budget each step ran (the target's default tree: 8 nodes)
     assert all(s.tree_budget == (8 if s.speculated else 0) for s in stats)

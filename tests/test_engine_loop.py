@@ -29,6 +29,7 @@ from target_service.draft_client import (
 from target_service.engine import STOPPING, Engine, EngineLimits
 from target_service.runner import ModelRunner
 from target_service.scheduler import Scheduler
+from target_service.startup import DEFER_CHECK, deferred_return
 
 
 class NullRunner:
@@ -53,11 +54,12 @@ class NullRunner:
 @contextlib.contextmanager
 def running_engine(runner: NullRunner, pool: PagePool, draft: object = None,
                    shape: common_pb2.DraftShape | None = None, early: bool = False,
-                   capture: tuple[int, ...] = (), defer: int = 0) -> Iterator[Engine]:
+                   capture: tuple[int, ...] = (), defer: int = 0, vocab: int = 8
+                   ) -> Iterator[Engine]:
     """An engine over ``runner`` (and ``draft``, speculating with ``shape``; ``defer``: its
     defer_catch_up) with its loop on a thread named engine-loop, stopped after."""
     engine = Engine(runner, Scheduler(pool, 4, 8),
-                    EngineLimits(8, 64, 64, 8, shape or common_pb2.DraftShape(), frozenset(),
+                    EngineLimits(vocab, 64, 64, 8, shape or common_pb2.DraftShape(), frozenset(),
                                  early_exchange=early, defer_catch_up=defer), draft, capture)
     if draft is not None:
         draft.engine = engine
@@ -900,6 +902,37 @@ def test_the_steps_decode_without_speculation_until_the_deferred_catch_up_is_in(
     assert [stats[n].draft_input_tokens for n in range(sent_in + 1, next_in)] == [0] * 3
     assert after.seqs[0].start == len(catch_up.seqs[0].new_tokens)
     assert len(after.seqs[0].new_tokens) == 4
+
+
+def test_warmup_runs_a_deferred_return_and_fails_start_up_when_it_does_not_work():
+    """startup.deferred_return, warmup's check of --defer-catch-up: a request that decoded
+    DEFER_CHECK + 2 tokens beside another returns to speculation alone, decodes beside its
+    deferred catch-up and verifies a tree; it is cancelled then, and its tokens are plain
+    decoding's. A draft whose catch-up never comes in, or an engine that does not defer,
+    fails it, saying which; the engine is left deferring over DEFER_CHECK (warmup then sets
+    the configured limit)."""
+    with running_engine(NullRunner(), PagePool(16), CatchingUpDraft(2), CHAIN, vocab=16
+                        ) as engine:
+        note = deferred_return(engine, CHAIN, exact=True)
+        assert engine.limits.defer_catch_up == DEFER_CHECK
+        deadline = time.monotonic() + 5
+        while not engine.is_idle():  # the cancelled request is gone once its close is taken
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert note == ("; a return to speculation decoded 3 steps beside its deferred catch-up "
+                    "and verified trees")
+    with running_engine(NullRunner(), PagePool(16), CatchingUpDraft(10**6), CHAIN, vocab=16
+                        ) as engine, pytest.raises(RuntimeError) as never_in:
+        deferred_return(engine, CHAIN, exact=True)
+    # the longer request: 64 tokens of context less the prompt, 6 of them before the return
+    assert str(never_in.value) == (
+        f"a return to speculation after {DEFER_CHECK + 2} plain tokens deferred its catch-up "
+        "(49 steps decoded beside it) but verified no tree before the request's end (56 "
+        "tokens)")
+    with running_engine(NullRunner(), PagePool(16), ChainDraft(), CHAIN, vocab=16
+                        ) as engine, pytest.raises(RuntimeError, match="deferred no catch-up"):
+        engine._defers = lambda wanting: False
+        deferred_return(engine, CHAIN, exact=True)
 
 
 def test_a_return_within_the_limit_a_new_prompt_or_a_step_after_a_tree_waits_for_its_catch_up():
