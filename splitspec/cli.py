@@ -192,15 +192,15 @@ def stack_specs(args: argparse.Namespace) -> list[ChildSpec]:
             draft_argv += ["--model", str(draft_model)]
         if args.draft_quantize != "none":
             draft_argv += ["--quantize", args.draft_quantize]
-        specs.append(ChildSpec("draft", tuple(draft_argv)))
+        specs.append(ChildSpec("draft", tuple(draft_argv + args.draft_flag)))
         target_argv += ["--draft", f"localhost:{args.draft_port}"]
     gateway_argv = [python, "-m", "gateway", "--port", str(args.gateway_port),
                     "--target", f"localhost:{args.target_port}", "--drain-timeout-s", f"{UP_DRAIN_S:g}"]
     if args.target_model:
         target_argv += ["--model", str(args.target_model)]
         gateway_argv += ["--model", str(args.target_model)]
-    specs.append(ChildSpec("target", tuple(target_argv + placed)))
-    specs.append(ChildSpec("gateway", tuple(gateway_argv)))
+    specs.append(ChildSpec("target", tuple(target_argv + placed + args.target_flag)))
+    specs.append(ChildSpec("gateway", tuple(gateway_argv + args.gateway_flag)))
     return specs
 
 
@@ -426,10 +426,11 @@ def cmd_trace_summary(args: argparse.Namespace) -> int:
 # --- parser --------------------------------------------------------------------------------
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None ones (their help says what happens)."""
+    """Shows defaults, except None and empty ones (their help says what happens)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
+        shown = action.default is not None and action.default != []
+        return super()._get_help_string(action) if shown else action.help
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -465,6 +466,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--draft-quantize", choices=("none", "fp8"), default="none",
                     help="the draft service's --quantize: fp8 keeps the draft's projections "
                          "also in fp8 (a GPU in bfloat16 or float16; see README)")
+    for service, module, example in (("gateway", "gateway", "--spec-policy=static"),
+                                     ("target", "target_service", "--defer-catch-up=16"),
+                                     ("draft", "draft_service", "--cpu-threads=2")):
+        up.add_argument(f"--{service}-flag", action="append", default=[], metavar="ARG",
+                        help=f"one more argument for the {service}'s command line, after those "
+                             f"up gives it (repeatable; e.g. --{service}-flag={example}; "
+                             f"python -m {module} --help lists them)")
     up.add_argument("--startup-timeout-s", type=float, default=600.0,
                     help="give up when the gateway is not SERVING after this long")
     up.add_argument("--generate", metavar="TEXT", default=None,
@@ -546,6 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.func is cmd_up and args.draft_kind == "none" and args.draft_quantize != "none":
         parser.error("up: --draft-quantize needs a draft (--draft-kind is none)")
+    if args.func is cmd_up and args.draft_kind == "none" and args.draft_flag:
+        parser.error("up: --draft-flag needs a draft (--draft-kind is none)")
     return args.func(args)
 
 

@@ -101,6 +101,24 @@ def test_up_places_draft_and_target_on_the_device_in_its_dtype() -> None:
     assert specs["target"][-2:] == ["--dtype", "bfloat16"] and "--device" not in specs["target"]
 
 
+def test_up_gives_each_service_its_own_flags_last() -> None:
+    specs = _specs("--target-flag=--defer-catch-up=16", "--target-flag=--early-exchange",
+                   "--gateway-flag=--spec-policy=static", "--draft-flag=--cpu-threads=2",
+                   "--device", "cuda")
+    assert specs["target"][-6:] == ["--device", "cuda", "--dtype", "bfloat16",
+                                    "--defer-catch-up=16", "--early-exchange"]
+    assert specs["gateway"][-1] == "--spec-policy=static"
+    assert specs["draft"][-1] == "--cpu-threads=2"
+    assert "--cpu-threads=2" not in specs["target"] + specs["gateway"]
+
+
+def test_up_refuses_draft_flags_without_a_draft(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["up", "--draft-kind", "none", "--draft-flag=--cpu-threads=2"])
+    assert info.value.code == 2
+    assert "--draft-flag needs a draft" in capsys.readouterr().err
+
+
 def test_up_refuses_a_quantized_draft_without_a_draft(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["up", "--draft-kind", "none", "--draft-quantize", "fp8"])

@@ -73,3 +73,23 @@ def test_ctrl_c_lets_a_stream_in_flight_finish_then_stops_every_service(tmp_path
     text = (tmp_path / "up.log").read_text()
     assert "stopping the gateway" in text and "ignored SIGTERM" not in text, text[-3000:]
     assert not any(listening(port) for port in ports.values()), text[-3000:]
+
+
+def test_up_passes_each_service_its_flags_and_stops_when_one_refuses_them():
+    """--target-flag / --gateway-flag / --draft-flag reach that service's command line (the
+    target defers catch-ups from warmup's end, the gateway runs the static policy); a flag
+    a service does not know stops it at start, and ``up`` with it, naming which."""
+    argv, _ = up("--generate", "import os", "--max-new-tokens", "8",
+                 "--target-flag=--defer-catch-up=16", "--gateway-flag=--spec-policy=static",
+                 "--draft-flag=--cpu-threads=1")
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "from now on a catch-up of over 16 tokens is deferred" in done.stderr
+    assert "static policy: any batch" in done.stderr
+    argv, _ = up("--generate", "import os", "--target-flag=--no-such-flag")
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 1
+    assert "unrecognized arguments: --no-such-flag" in done.stderr
+    assert "the target service exited with code 2" in done.stderr
