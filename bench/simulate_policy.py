@@ -29,6 +29,9 @@ question at 1-2 streams on a 2-core CPU, where the sweeps' rounds cannot tell::
         --repeats 5 --modes OFF,ON --shape chain3 --min-run-s 10 --step-trace /tmp/chain.jsonl
     python bench/simulate_policy.py /tmp/tree.jsonl /tmp/chain.jsonl --seeds 100
 
+``--variant '{"probe_share": 0.01}'`` adds a second policy built with those settings, on the
+same seeds (a setting's effect resolved in seconds, where a sweep's rounds cannot).
+
 The traces behind session 13's policy changes (1-2 streams, 2 CPU cores) are
 ``bench/results/steps_cpu_session13_{tree,chain}.jsonl.gz``; session 14's sweep (Q) recorded
 OFF, the tree, the chain and adaptive at 1 stream in one sweep
@@ -373,6 +376,10 @@ def main(argv: list[str] | None = None) -> int:
                              "step after plain ones pays (default 0: a change of mode costs "
                              "nothing): what those steps' draft_s exceeds a steady step's "
                              "by, over their draft_input_tokens, in the adaptive runs")
+    parser.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
+                        help="also simulate a second policy built with these keyword arguments "
+                             "(e.g. '{\"probe_share\": 0.01}'), on the same seeds, and print "
+                             "its line after adaptive's (as bench_concurrency.py --variant)")
     parser.add_argument("--batches", action="store_true",
                         help="instead: per timed run, its throughput against its tokens per "
                              "second per decoding sequence, its mean decode batch and (where "
@@ -406,16 +413,20 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"concurrency {concurrency}: the traces need OFF and ON (tree) runs")
         # the gateway's default budgets (the tree and a chain of 3), less those not recorded
         shapes = [s for s in adaptive_shapes("", TREE) if s.num_draft_tokens in budgets]
-        result = summarize(Machine(budgets, args.window), concurrency,
-                           lambda shapes=shapes: AdaptivePolicy(shapes), args.seeds, args.steps,
-                           args.settle, args.catch_up_us * 1e-6)
-        fixed = ", ".join(f"{b or 'off'}: {r:.1f} tok/s ({result['steps'][b]} steps)"
-                          for b, r in sorted(result["fixed_tok_s"].items()))
-        share = ", ".join(f"{b or 'off'} {s:.0%}" for b, s in result["share"].items())
-        print(f"concurrency {concurrency}: {fixed}; adaptive / best "
-              f"({result['best'] or 'off'}): median "
-              f"{result['ratio_median']:.3f}, p10 {result['ratio_p10']:.3f}, min "
-              f"{result['ratio_min']:.3f} over {args.seeds} seeds; steps {share}")
+        machine = Machine(budgets, args.window)
+        policies = {"adaptive": {}} | ({} if args.variant is None else {"variant": args.variant})
+        for name, options in policies.items():
+            result = summarize(machine, concurrency,
+                               lambda shapes=shapes, options=options: AdaptivePolicy(
+                                   shapes, **options),
+                               args.seeds, args.steps, args.settle, args.catch_up_us * 1e-6)
+            fixed = ", ".join(f"{b or 'off'}: {r:.1f} tok/s ({result['steps'][b]} steps)"
+                              for b, r in sorted(result["fixed_tok_s"].items()))
+            share = ", ".join(f"{b or 'off'} {s:.0%}" for b, s in result["share"].items())
+            print(f"concurrency {concurrency}: {fixed}; {name} / best "
+                  f"({result['best'] or 'off'}): median "
+                  f"{result['ratio_median']:.3f}, p10 {result['ratio_p10']:.3f}, min "
+                  f"{result['ratio_min']:.3f} over {args.seeds} seeds; steps {share}")
     return 0
 
 

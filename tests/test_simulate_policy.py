@@ -99,6 +99,13 @@ def test_the_command_line_prints_a_line_per_concurrency(tmp_path, capsys):
     assert sp.main([str(path), "--seeds", "2", "--steps", "800", "--settle", "200"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("concurrency 1: off: ") and "adaptive / best (8): median" in out
+    # --variant: a second policy's line after adaptive's, on the same seeds; a policy that
+    # never probes stays on its first budget, the tree, which is the best here
+    assert sp.main([str(path), "--seeds", "2", "--steps", "800", "--settle", "200",
+                    "--variant", '{"probe_every": 100000, "first_probe": 100000}']) == 0
+    adaptive, variant = capsys.readouterr().out.splitlines()
+    assert "adaptive / best (8)" in adaptive and "variant / best (8): median 1.000" in variant
+    assert variant.endswith("steps 8 100%")
 
 
 def test_a_policy_that_always_runs_the_best_budget_scores_exactly_one(tmp_path):
