@@ -301,8 +301,9 @@ class Engine:
                    timeout_s: float = 60.0) -> None:
         """Run ``admits`` through the live loop on a stream of their own (warmup and tests),
         handing each event to ``until`` until it returns True; closing the stream then
-        cancels whatever still runs. A request that fails, the stream's end or no event
-        within ``timeout_s`` raises RuntimeError."""
+        cancels whatever still runs. A request that fails, the stream's end or not being done
+        within ``timeout_s`` raises RuntimeError (before, a timeout raised a bare queue.Empty,
+        which failed a start-up step with no message)."""
         stream_id, outbox = self.open_stream()
         if policy is not None:
             self.submit(stream_id, target_pb2.ServeRequest(policy=policy))
@@ -314,8 +315,8 @@ class Engine:
                 try:
                     event = outbox.get(timeout=max(deadline - time.monotonic(), 0.001))
                 except queue.Empty:
-                    raise RuntimeError(f"generation failed: no step within {timeout_s:.0f} s"
-                                       ) from None
+                    raise RuntimeError(f"generation failed: not done within {timeout_s:g} s"
+                                       ) from None  # (queue.Empty says nothing more)
                 if event is None:  # the stream ended before the requests finished
                     raise RuntimeError(f"generation failed: {self.failure or 'stream closed'}")
                 for delta in event.deltas:

@@ -96,6 +96,15 @@ def test_step_stats_say_whether_the_forward_replayed_a_graph(graphed):
         assert engine.last_stats.batch_size == 1 and engine.last_stats.graphed == graphed
 
 
+def test_a_generation_not_done_in_time_fails_saying_so():
+    """Engine.generate (warmup's requests) on an engine whose loop never runs: a RuntimeError
+    that says why, not a bare queue.Empty (a start-up step failed with no message)."""
+    engine = Engine(NullRunner(), Scheduler(PagePool(8), 4, 8),
+                    EngineLimits(8, 64, 64, 8, common_pb2.DraftShape(), frozenset()), None, ())
+    with pytest.raises(RuntimeError, match=r"^generation failed: not done within 0.2 s$"):
+        engine.generate([3, 1, 4], 2, common_pb2.SPECULATION_MODE_OFF, timeout_s=0.2)
+
+
 class LateLogits(torch.Tensor):
     """Logits whose first read (the argmax) waits 30 ms: a forward's device work, launched
     by the runner and still running when it returns."""
