@@ -117,6 +117,7 @@ from bench_speculation import (
     start_stack,
     start_target,
 )
+from simulate_policy import parse_variant
 
 from gateway.policy import AdaptivePolicy, adaptive_shapes, static_policy
 from splitspec.builtin import BUILTIN_TARGET
@@ -164,23 +165,6 @@ def round_order(modes: list[str], repeat: int, rotate: bool) -> list[str]:
         return list(modes)
     shift = repeat % len(modes)
     return [*modes[shift:], *modes[:shift]]
-
-
-def parse_variant(text: str) -> dict[str, Any]:
-    """``'{"probe_share": 0.01}'`` -> the keyword arguments of the variant's AdaptivePolicy,
-    checked by building one."""
-    try:
-        kwargs = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"--variant must be a JSON object: {exc}") from exc
-    if not isinstance(kwargs, dict):
-        raise argparse.ArgumentTypeError(f"--variant must be a JSON object, got {text!r}")
-    try:
-        AdaptivePolicy(adaptive_shapes("", common_pb2.DraftShape(
-            num_draft_tokens=8, topk=4, num_steps=4)), **kwargs)
-    except (TypeError, ValueError) as exc:
-        raise argparse.ArgumentTypeError(f"--variant {text}: {exc}") from exc
-    return kwargs
 
 
 def modes_of(report: dict[str, Any]) -> list[str]:

@@ -352,6 +352,22 @@ def summarize(machine: Machine, concurrency: int, make_policy: Callable[[], Adap
             "ratio_min": ratios[0], "share": {b: n / seeds for b, n in sorted(shares.items())}}
 
 
+def parse_variant(text: str) -> dict[str, Any]:
+    """``'{"probe_share": 0.01}'`` -> the keyword arguments of the variant's AdaptivePolicy,
+    checked by building one (this script's ``--variant`` and bench_concurrency.py's)."""
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"--variant must be a JSON object: {exc}") from exc
+    if not isinstance(kwargs, dict):
+        raise argparse.ArgumentTypeError(f"--variant must be a JSON object, got {text!r}")
+    try:
+        AdaptivePolicy(adaptive_shapes("", TREE), **kwargs)
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"--variant {text}: {exc}") from exc
+    return kwargs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("traces", type=Path, nargs="+",
@@ -376,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
                              "step after plain ones pays (default 0: a change of mode costs "
                              "nothing): what those steps' draft_s exceeds a steady step's "
                              "by, over their draft_input_tokens, in the adaptive runs")
-    parser.add_argument("--variant", type=json.loads, default=None, metavar="JSON",
+    parser.add_argument("--variant", type=parse_variant, default=None, metavar="JSON",
                         help="also simulate a second policy built with these keyword arguments "
                              "(e.g. '{\"probe_share\": 0.01}'), on the same seeds, and print "
                              "its line after adaptive's (as bench_concurrency.py --variant)")
