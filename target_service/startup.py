@@ -393,9 +393,8 @@ def deferred_return(engine: Engine, shape: common_pb2.DraftShape, exact: bool) -
     after it within DEFER_CHECK_TOKENS tokens (a draft that stays slow: the deferral itself
     did nothing wrong, but it cannot be said to work)."""
     engine.defer_catch_ups(DEFER_CHECK)
-    policy = target_pb2.SpecPolicy(entries=[
-        target_pb2.SpecPolicy.Entry(max_batch_size=1, shape=shape),
-        target_pb2.SpecPolicy.Entry(max_batch_size=2**32 - 1, shape=common_pb2.DraftShape())])
+    policy = target_pb2.SpecPolicy(entries=[  # larger batches: no entry, no speculation
+        target_pb2.SpecPolicy.Entry(max_batch_size=1, shape=shape)])
     longer = min(DEFER_CHECK_TOKENS, engine.limits.max_context - len(WARMUP_PROMPT))
     tokens: list[int] = []
     seen = {"catching_up": 0, "after": 0}
