@@ -117,6 +117,9 @@ class StandInDraft:
     def receive(self, sent: Sent) -> ExchangeResult:
         return ExchangeResult(self._replies.pop(0), "", False)
 
+    def owes(self) -> bool:
+        return False  # every reply is in as soon as its request is sent
+
 
 class GrpcSink:
     """The served target's sending path for the bench's engine stream: the real
@@ -179,7 +182,7 @@ def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64,
     per_seq = -(-(prompt_len + new_tokens + MAX_TREE_NODES + 1) // PAGE)
     runner = StandInRunner(batch * per_seq, launch_calls, device_s)
     limits = EngineLimits(VOCAB, prompt_len + new_tokens + MAX_TREE_NODES, batch * prompt_len,
-                          MAX_TREE_NODES, TREE, frozenset())
+                          MAX_TREE_NODES, TREE, frozenset(), skip_owed=True)  # as served
     engine = Engine(runner, Scheduler(PagePool(runner.cache.num_pages), batch, MAX_TREE_NODES),
                     limits,
                     StandInDraft(), (2, 3, 4))

@@ -115,6 +115,7 @@ class DraftLink:
         self._retry_at = 0.0
         self._ring: FeatureRing | None = None
         self._sent = self._answered = 0  # requests sent and replies read on this stream
+        self._sent_at = 0.0  # when the last request was sent (time.monotonic())
         self._open()
 
     @classmethod
@@ -232,7 +233,8 @@ class DraftLink:
             place_features(request, features, self._ring, self._sent)
         self._requests.put(request)
         self._sent += 1
-        return Sent(request.step, time.monotonic() + self.timeout_s, "", restarted)
+        self._sent_at = time.monotonic()
+        return Sent(request.step, self._sent_at + self.timeout_s, "", restarted)
 
     def ready(self, sent: Sent) -> bool:
         """Whether :meth:`receive` would take ``sent``'s reply without waiting: a reply (or
@@ -240,6 +242,17 @@ class DraftLink:
         reply to an earlier request also counts: receive then drops it and waits, within the
         deadline, for this one's.)"""
         return bool(sent.error) or not self._replies.empty() or time.monotonic() >= sent.deadline
+
+    def owes(self) -> bool:
+        """Whether the draft has yet to answer a request sent on this stream, the last of them
+        less than RETRY_AFTER_S ago: a request after one whose wait timed out. A new request
+        would queue behind it (the draft answers in order) and most likely wait out its own
+        deadline too: with the draft service's "slow" fault, a reply held 0.5 s against a
+        0.2 s deadline cost the step after a second wait of 0.2 s. Once RETRY_AFTER_S has
+        passed, a step asks again (and waits, as it did every step before): a draft stuck
+        for good costs a deadline every RETRY_AFTER_S, not every step."""
+        return (self._call is not None and self._answered + self._replies.qsize() < self._sent
+                and time.monotonic() - self._sent_at < RETRY_AFTER_S)
 
     def receive(self, sent: Sent) -> ExchangeResult:
         """The reply to ``sent``, or why there is none by its deadline; replies to earlier

@@ -103,6 +103,9 @@ class EngineLimits:
     defer_catch_up: int = 0  # tokens: a return to speculation where a sequence generated more
     # that the draft has not seen decodes without speculation while the draft catches up
     # (Engine._defers; 0: the step waits for the catch-up)
+    skip_owed: bool = False  # after an exchange whose wait timed out, the steps neither ask the
+    # draft nor speculate until it has answered (DraftLink.owes; False: each step asks and
+    # waits, its request queued behind the late one)
 
 
 class _Call(NamedTuple):
@@ -327,13 +330,14 @@ class Engine:
         finally:
             self.close_stream(stream_id)
 
-    def defer_catch_ups(self, tokens: int) -> None:
-        """Thread-safe: ``defer_catch_up`` from the next step on. Start-up sets it once warmup
-        is over: warmup's checks need its short requests to verify trees, and on a draft
-        that had timed out a deferred catch-up queued behind the late reply left all of a
-        request's 8 tokens to plain steps."""
-        self.call(lambda: setattr(self, "limits", dataclasses.replace(
-            self.limits, defer_catch_up=tokens)))
+    def set_limits(self, **changes: object) -> None:
+        """Thread-safe: these EngineLimits fields changed from the next step on. Start-up sets
+        ``defer_catch_up`` and ``skip_owed`` once warmup is over: both let steps decode on
+        without the draft, and warmup's checks need their short requests to verify trees (on
+        a draft that had timed out, a deferred catch-up queued behind the late reply left all
+        of a request's 8 tokens to plain steps; with the draft service's "slow" fault, whose
+        held reply outlasts such a request, so did skipping while it was owed)."""
+        self.call(lambda: setattr(self, "limits", dataclasses.replace(self.limits, **changes)))
 
     def call(self, fn: Callable[[], object], timeout_s: float = 60.0) -> object:
         """Thread-safe: run fn on the engine thread between two steps and return its result
@@ -662,6 +666,8 @@ class Engine:
             trees = {i: tree for i, tree in early_trees.items() if i in matched}
             wanting = [s for s in wanting if s.seq_id not in matched]
         if wanting and self.draft is not None:
+            if self.limits.skip_owed and self.draft.owes():  # a request would wait behind it
+                return {}, 0
             caught_up = early is not None and early.catch_up  # (the rest it waits for)
             if not caught_up and self._defers(wanting):
                 self._early = self._send_catch_up(wanting)
@@ -741,7 +747,7 @@ class Engine:
         emitted and the next step is scheduled (docs/benchmarks.md: the exchange's transit).
         The next step's decode batch is this one's unfinished sequences plus the prompts just
         prefilled; what changes before it starts (a cancellation, a policy) is settled then."""
-        if self.draft is None:
+        if self.draft is None or (self.limits.skip_owed and self.draft.owes()):
             return None
         shapes, wanting = self._wanting(
             [s for s in self.scheduler.decode_batch() if not s.is_cancelled])

@@ -333,8 +333,9 @@ def warmup(engine: Engine, draft_info: draft_pb2.DraftInfo | None,
            exact: bool = True, defer_catch_up: int = 0) -> Detailed:
     """Real generations through every path: plain, and with a draft tree and a chain, greedy
     and sampled; then, with ``defer_catch_up``, a return to speculation whose catch-up is
-    deferred (:func:`deferred_return`), and the engine's deferred catch-ups on (the checks
-    before need every step to wait for the draft: see Engine.defer_catch_ups).
+    deferred (:func:`deferred_return`). Last, the serving limits that let steps decode on
+    without the draft: deferred catch-ups and EngineLimits.skip_owed (the checks before need
+    every step to wait for the draft: see Engine.set_limits).
 
     Speculation must reproduce plain decoding, greedy and seeded-sampled alike (a seeded
     request draws the same number for the same position either way); a mismatch fails
@@ -377,8 +378,8 @@ def warmup(engine: Engine, draft_info: draft_pb2.DraftInfo | None,
     agree = "agree" if exact else "agree up to rounding"
     if defer_catch_up:
         notes += deferred_return(engine, default_shape, exact)
-        engine.defer_catch_ups(defer_catch_up)
         notes += f"; from now on a catch-up of over {defer_catch_up} tokens is deferred"
+    engine.set_limits(defer_catch_up=defer_catch_up, skip_owed=True)
     return Detailed(None, f"{ranks}plain, tree and chain {agree}, greedy and sampled{notes}")
 
 
@@ -392,7 +393,7 @@ def deferred_return(engine: Engine, shape: common_pb2.DraftShape, exact: bool) -
     :func:`parting`). Raises RuntimeError when no catch-up was deferred or no tree verified
     after it within DEFER_CHECK_TOKENS tokens (a draft that stays slow: the deferral itself
     did nothing wrong, but it cannot be said to work)."""
-    engine.defer_catch_ups(DEFER_CHECK)
+    engine.set_limits(defer_catch_up=DEFER_CHECK)
     policy = target_pb2.SpecPolicy(entries=[  # larger batches: no entry, no speculation
         target_pb2.SpecPolicy.Entry(max_batch_size=1, shape=shape)])
     longer = min(DEFER_CHECK_TOKENS, engine.limits.max_context - len(WARMUP_PROMPT))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent import futures
 
 import grpc
@@ -12,6 +13,7 @@ import pytest
 
 from splitspec.grpc_server import CHANNEL_OPTIONS
 from splitspec.v1 import draft_pb2, draft_pb2_grpc
+from target_service import draft_client
 from target_service.draft_client import DraftLink
 
 
@@ -79,3 +81,48 @@ def test_waiting_for_a_peer_says_what_it_sees_meanwhile(caplog):
     assert len(waits) >= 2, caplog.text
     assert all(f"the draft service at {address} to be SERVING" in w and "UNAVAILABLE" in w
                for w in waits[1:]), waits
+
+
+class Holding(draft_pb2_grpc.DraftServicer):
+    """Echo that holds its reply to step 1 until ``release`` is set (a slow draft)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def Exchange(self, request_iterator, context):
+        for request in request_iterator:
+            if request.step == 1:
+                self.release.wait(10)
+            yield draft_pb2.DraftReply(step=request.step)
+
+
+def test_a_reply_whose_wait_timed_out_is_owed_until_it_comes(monkeypatch):
+    """owes(): after a wait that timed out, the draft still owes that reply (a request sent
+    now would queue behind it); once it is in, nothing is owed, and the next exchange drops
+    it and gets its own. A draft that owes for RETRY_AFTER_S is asked again."""
+    holding = Holding()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=CHANNEL_OPTIONS)
+    draft_pb2_grpc.add_DraftServicer_to_server(holding, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    link = DraftLink(f"127.0.0.1:{port}", channel, draft_pb2.DraftInfo(), timeout_s=0.2)
+    try:
+        assert not link.owes()
+        assert "no draft reply within 0.20s" in link.exchange(draft_pb2.DraftRequest(step=1)).error
+        assert link.owes()
+        monkeypatch.setattr(draft_client, "RETRY_AFTER_S", 0.0)
+        assert not link.owes()  # asked again once RETRY_AFTER_S has passed
+        monkeypatch.undo()
+        assert link.owes()
+        holding.release.set()
+        deadline = time.monotonic() + 5
+        while link.owes():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        result = link.exchange(draft_pb2.DraftRequest(step=2))
+        assert result.reply is not None and result.reply.step == 2
+        assert not link.owes()
+    finally:
+        link.close()
+        server.stop(None)

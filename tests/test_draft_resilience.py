@@ -155,10 +155,11 @@ def test_slow_draft_exchanges_are_skipped_without_changing_output(tmp_path, prom
                     env={"SPLITSPEC_INJECT_DRAFT_FAULT": "slow"}).wait_serving()
     target = Service("target_service", ["--draft", draft.address, "--draft-timeout-s", "0.2",
                                         *flags], tmp_path).wait_serving()
-    # A held reply holds the draft's stream for 0.5 s, and the requests behind it too. A
-    # serve of 32 tokens lasts about that long; with --defer-catch-up its steps decode on
-    # while a catch-up waits, so one held catch-up can leave a whole serve without a tree.
-    # So up to three serves, each with plain decoding's output, until one verifies a tree.
+    # A held reply holds the draft's stream for 0.5 s; the steps meanwhile decode without
+    # asking (a request would queue behind it: EngineLimits.skip_owed), as they do while a
+    # deferred catch-up (--defer-catch-up) waits. A serve of 32 tokens lasts about that long,
+    # so one held reply can leave a whole serve without a tree. So up to three serves, each
+    # with plain decoding's output, until one verifies a tree.
     try:
         plain, _ = serve(target, prompts, 32, speculate=False)
         for _ in range(3):

@@ -54,13 +54,15 @@ class NullRunner:
 @contextlib.contextmanager
 def running_engine(runner: NullRunner, pool: PagePool, draft: object = None,
                    shape: common_pb2.DraftShape | None = None, early: bool = False,
-                   capture: tuple[int, ...] = (), defer: int = 0, vocab: int = 8
-                   ) -> Iterator[Engine]:
-    """An engine over ``runner`` (and ``draft``, speculating with ``shape``; ``defer``: its
-    defer_catch_up) with its loop on a thread named engine-loop, stopped after."""
+                   capture: tuple[int, ...] = (), defer: int = 0, vocab: int = 8,
+                   skip_owed: bool = False) -> Iterator[Engine]:
+    """An engine over ``runner`` (and ``draft``, speculating with ``shape``; ``defer`` and
+    ``skip_owed``: its limits of those names) with its loop on a thread named engine-loop,
+    stopped after."""
     engine = Engine(runner, Scheduler(pool, 4, 8),
                     EngineLimits(vocab, 64, 64, 8, shape or common_pb2.DraftShape(), frozenset(),
-                                 early_exchange=early, defer_catch_up=defer), draft, capture)
+                                 early_exchange=early, defer_catch_up=defer,
+                                 skip_owed=skip_owed), draft, capture)
     if draft is not None:
         draft.engine = engine
     stop = threading.Event()
@@ -412,6 +414,9 @@ class ChainDraft:
 
     def ready(self, sent: Sent) -> bool:
         return True  # every reply is in as soon as its request is sent
+
+    def owes(self) -> bool:
+        return False  # ... so no reply is ever owed
 
     def receive(self, sent: Sent) -> ExchangeResult:
         reply = self._replies.pop(0)
@@ -834,6 +839,52 @@ class TurningRunner(NullRunner):
         if len(self.forwards) + 1 == self.at:
             self.engine.submit(self.stream, self.request)
         return super().forward(batch)
+
+
+class HeldDraft(ChainDraft):
+    """ChainDraft whose reply to the target's step 3 misses its deadline and is still owed
+    through steps 4 and 5 (a draft that holds a reply: the draft service's "slow" fault)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.late = False
+
+    def receive(self, sent: Sent) -> ExchangeResult:
+        result = super().receive(sent)
+        if sent.step != 3:
+            return result
+        self.late = True
+        return ExchangeResult(None, "no draft reply within 0.20s", False)
+
+    def owes(self) -> bool:
+        return self.late and self.engine._step < 6  # the late reply is in from step 6 on
+
+
+def test_while_the_draft_owes_a_late_reply_the_steps_neither_wait_nor_ask():
+    """DraftLink.owes, with skip_owed (as served): a request sent behind a reply that missed
+    its deadline would queue behind it and likely wait out its own too. So the steps decode
+    without speculation and send nothing until the draft has answered (step 6 here), which
+    then catches it up on what they committed. Output unchanged; with the early exchange
+    too. Without skip_owed (warmup) the steps go on asking."""
+    for early, skip in ((False, True), (True, True), (False, False)):
+        draft = HeldDraft()
+        with running_engine(NullRunner(), PagePool(8), draft, CHAIN, early,
+                            skip_owed=skip) as engine:
+            stream, outbox = engine.open_stream()
+            engine.submit(stream, admit(1, [3, 1, 4], 20))
+            deltas, stats = deltas_by_step(outbox, 1)
+        assert [t for _, chunk, _ in deltas[1] for t in chunk] == [7] * 20
+        asked = {step for step, _ in draft.sent}
+        if not skip:
+            assert {4, 5} <= asked and stats[4].speculated, sorted(asked)
+            continue
+        assert {4, 5}.isdisjoint(asked) and 6 in asked, (early, sorted(asked))
+        assert [stats[n].speculated for n in range(2, 8)] == [True, False, False, False,
+                                                              True, True], early
+        (caught_up,) = [r.seqs[0] for _, r in draft.sent if r.step == 6]
+        # from where the last answered request left the draft (the prompt and the first
+        # token): step 2's 3 tokens, whose request timed out, and steps 3 to 5's
+        assert caught_up.start == 4 and len(caught_up.new_tokens) == 6
 
 
 class CatchingUpDraft(ChainDraft):
