@@ -115,7 +115,7 @@ class DraftLink:
         self._retry_at = 0.0
         self._ring: FeatureRing | None = None
         self._sent = self._answered = 0  # requests sent and replies read on this stream
-        self._sent_at = 0.0  # when the last request was sent (time.monotonic())
+        self._late_at = -RETRY_AFTER_S  # when a wait for a reply last timed out (monotonic)
         self._open()
 
     @classmethod
@@ -233,8 +233,7 @@ class DraftLink:
             place_features(request, features, self._ring, self._sent)
         self._requests.put(request)
         self._sent += 1
-        self._sent_at = time.monotonic()
-        return Sent(request.step, self._sent_at + self.timeout_s, "", restarted)
+        return Sent(request.step, time.monotonic() + self.timeout_s, "", restarted)
 
     def ready(self, sent: Sent) -> bool:
         """Whether :meth:`receive` would take ``sent``'s reply without waiting: a reply (or
@@ -244,15 +243,16 @@ class DraftLink:
         return bool(sent.error) or not self._replies.empty() or time.monotonic() >= sent.deadline
 
     def owes(self) -> bool:
-        """Whether the draft has yet to answer a request sent on this stream, the last of them
-        less than RETRY_AFTER_S ago: a request after one whose wait timed out. A new request
-        would queue behind it (the draft answers in order) and most likely wait out its own
-        deadline too: with the draft service's "slow" fault, a reply held 0.5 s against a
-        0.2 s deadline cost the step after a second wait of 0.2 s. Once RETRY_AFTER_S has
-        passed, a step asks again (and waits, as it did every step before): a draft stuck
-        for good costs a deadline every RETRY_AFTER_S, not every step."""
+        """Whether the draft has yet to answer a request sent on this stream, less than
+        RETRY_AFTER_S after a wait for a reply timed out. A new request would queue behind
+        the late one (the draft answers in order) and most likely wait out its own deadline
+        too: with the draft service's "slow" fault, a reply held 0.5 s against a 0.2 s
+        deadline cost the step after a second wait of 0.2 s, and a draft stalled for 10 s
+        would cost every step the whole deadline (2 s by default). Once RETRY_AFTER_S has
+        passed, a step asks again (and waits): a draft stuck for good costs a deadline every
+        RETRY_AFTER_S plus one, not every step."""
         return (self._call is not None and self._answered + self._replies.qsize() < self._sent
-                and time.monotonic() - self._sent_at < RETRY_AFTER_S)
+                and time.monotonic() - self._late_at < RETRY_AFTER_S)
 
     def receive(self, sent: Sent) -> ExchangeResult:
         """The reply to ``sent``, or why there is none by its deadline; replies to earlier
@@ -264,6 +264,7 @@ class DraftLink:
             try:
                 item = self._replies.get(timeout=max(left, 0.0))
             except queue.Empty:
+                self._late_at = time.monotonic()
                 return ExchangeResult(None, f"no draft reply within {self.timeout_s:.2f}s",
                                       sent.restarted)
             if isinstance(item, Exception):
