@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 _END = object()
 RETRY_AFTER_S = 2.0
+OWED_MAX_S = 30.0  # the longest a draft that stays silent goes unasked (DraftLink.owes)
 
 
 class ExchangeResult(NamedTuple):
@@ -115,7 +116,8 @@ class DraftLink:
         self._retry_at = 0.0
         self._ring: FeatureRing | None = None
         self._sent = self._answered = 0  # requests sent and replies read on this stream
-        self._late_at = -RETRY_AFTER_S  # when a wait for a reply last timed out (monotonic)
+        self._late_at = 0.0  # when a wait for a reply last timed out (time.monotonic())
+        self._silent = 0  # waits timed out since the draft last answered anything
         self._open()
 
     @classmethod
@@ -243,16 +245,24 @@ class DraftLink:
         return bool(sent.error) or not self._replies.empty() or time.monotonic() >= sent.deadline
 
     def owes(self) -> bool:
-        """Whether the draft has yet to answer a request sent on this stream, less than
-        RETRY_AFTER_S after a wait for a reply timed out. A new request would queue behind
-        the late one (the draft answers in order) and most likely wait out its own deadline
-        too: with the draft service's "slow" fault, a reply held 0.5 s against a 0.2 s
-        deadline cost the step after a second wait of 0.2 s, and a draft stalled for 10 s
-        would cost every step the whole deadline (2 s by default). Once RETRY_AFTER_S has
-        passed, a step asks again (and waits): a draft stuck for good costs a deadline every
-        RETRY_AFTER_S plus one, not every step."""
-        return (self._call is not None and self._answered + self._replies.qsize() < self._sent
-                and time.monotonic() - self._late_at < RETRY_AFTER_S)
+        """Whether the draft has yet to answer a request on this stream whose wait timed out,
+        the timeout less than :meth:`owed_for` ago. A new request would queue behind the
+        late one (the draft answers in order) and most likely wait out its own deadline too:
+        with the draft service's "slow" fault, a reply held 0.5 s against a 0.2 s deadline
+        cost the step after a second wait of 0.2 s, and a draft stalled for 10 s would cost
+        every step the whole deadline (2 s by default). The late reply's arrival ends it at
+        once; until then a step asks again only after owed_for."""
+        return (self._silent > 0 and self._call is not None
+                and self._answered + self._replies.qsize() < self._sent
+                and time.monotonic() - self._late_at < self.owed_for)
+
+    @property
+    def owed_for(self) -> float:
+        """Seconds from a timeout to the next request while the draft stays silent:
+        RETRY_AFTER_S after the first, doubling with each timeout after it (a draft stopped
+        for good then costs a deadline after 2, 4, 8, 16 s, then every OWED_MAX_S), until
+        any reply comes."""
+        return min(RETRY_AFTER_S * 2 ** max(self._silent - 1, 0), OWED_MAX_S)
 
     def receive(self, sent: Sent) -> ExchangeResult:
         """The reply to ``sent``, or why there is none by its deadline; replies to earlier
@@ -265,12 +275,14 @@ class DraftLink:
                 item = self._replies.get(timeout=max(left, 0.0))
             except queue.Empty:
                 self._late_at = time.monotonic()
+                self._silent += 1
                 return ExchangeResult(None, f"no draft reply within {self.timeout_s:.2f}s",
                                       sent.restarted)
             if isinstance(item, Exception):
                 self._break()
                 return ExchangeResult(None, f"draft stream failed: {item}", True)
             self._answered += 1
+            self._silent = 0
             if self._ring is not None:  # the draft has read the features of every request so far
                 self._ring.replied(self._answered - 1)
             if item.step == sent.step:

@@ -99,8 +99,9 @@ class Holding(draft_pb2_grpc.DraftServicer):
 def test_a_reply_whose_wait_timed_out_is_owed_until_it_comes(monkeypatch):
     """owes(): after a wait that timed out, the draft still owes that reply (a request sent
     now would queue behind it) for RETRY_AFTER_S from the timeout, however long the deadline
-    was (the default deadline is as long as RETRY_AFTER_S); then a step may ask again. Once
-    the reply is in, nothing is owed, and the next exchange drops it and gets its own."""
+    was (the default deadline is as long as RETRY_AFTER_S); then a step may ask again, and
+    after a second timeout with no reply in between, twice as long. Once the reply is in,
+    nothing is owed, and the next exchange drops it and gets its own."""
     monkeypatch.setattr(draft_client, "RETRY_AFTER_S", 0.15)  # shorter than the deadline
     holding = Holding()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=CHANNEL_OPTIONS)
@@ -116,7 +117,9 @@ def test_a_reply_whose_wait_timed_out_is_owed_until_it_comes(monkeypatch):
         time.sleep(0.2)
         assert not link.owes()  # asked again once RETRY_AFTER_S has passed
         assert link.exchange(draft_pb2.DraftRequest(step=2)).reply is None  # behind step 1's
-        assert link.owes()
+        assert link.owes() and link.owed_for == pytest.approx(0.3)
+        time.sleep(0.2)
+        assert link.owes()  # (past RETRY_AFTER_S, not past twice it)
         holding.release.set()
         deadline = time.monotonic() + 5
         while link.owes():
@@ -124,7 +127,7 @@ def test_a_reply_whose_wait_timed_out_is_owed_until_it_comes(monkeypatch):
             time.sleep(0.01)
         result = link.exchange(draft_pb2.DraftRequest(step=3))
         assert result.reply is not None and result.reply.step == 3
-        assert not link.owes()
+        assert not link.owes() and link.owed_for == pytest.approx(0.15)
     finally:
         link.close()
         server.stop(None)

@@ -4,7 +4,9 @@ never changes greedy output, and speculation resumes when the draft comes back."
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import queue
+import signal
 import time
 
 import grpc
@@ -173,3 +175,30 @@ def test_slow_draft_exchanges_are_skipped_without_changing_output(tmp_path, prom
     assert any(e.stats.speculated for e in steps), "no exchange came back in time"
     assert "no draft reply within 0.20s" in target.log
     assert "dropping late draft reply" in target.log
+
+
+def test_a_stopped_draft_costs_one_deadline_not_one_a_step(tmp_path, prompts):
+    """A draft that stops answering (SIGSTOP: its stream stays open) costs the step that
+    waits for it one deadline; the steps after it neither ask nor wait while its reply is
+    owed (EngineLimits.skip_owed), so a serve of 64 steps times out once, not at each step
+    (before, each request queued behind the late one and waited 0.3 s). Output unchanged.
+    Once the draft runs again its late reply comes in, and the next serve speculates."""
+    draft = Service("draft_service", [], tmp_path).wait_serving()
+    target = Service("target_service", ["--draft", draft.address, "--draft-timeout-s", "0.3"],
+                     tmp_path).wait_serving()
+    try:
+        plain, _ = serve(target, prompts, 64, speculate=False)
+        os.kill(draft.proc.pid, signal.SIGSTOP)
+        try:
+            stopped, steps = serve(target, prompts, 64)
+        finally:
+            os.kill(draft.proc.pid, signal.SIGCONT)
+        timeouts = target.log.count("no draft reply within 0.30s")
+        again, steps_again = serve(target, prompts, 64)
+    finally:
+        target.stop()
+        draft.stop()
+    assert stopped == plain and again == plain
+    assert len(steps) >= 64 and not any(e.stats.speculated for e in steps)
+    assert 1 <= timeouts <= 2, timeouts  # (a second only if the serve outlived 2 s)
+    assert any(e.stats.speculated for e in steps_again)
