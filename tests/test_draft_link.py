@@ -102,23 +102,23 @@ def test_a_reply_whose_wait_timed_out_is_owed_until_it_comes(monkeypatch):
     was (the default deadline is as long as RETRY_AFTER_S); then a step may ask again, and
     after a second timeout with no reply in between, twice as long. Once the reply is in,
     nothing is owed, and the next exchange drops it and gets its own."""
-    monkeypatch.setattr(draft_client, "RETRY_AFTER_S", 0.15)  # shorter than the deadline
+    monkeypatch.setattr(draft_client, "RETRY_AFTER_S", 0.3)  # shorter than the deadline
     holding = Holding()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=CHANNEL_OPTIONS)
     draft_pb2_grpc.add_DraftServicer_to_server(holding, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
-    link = DraftLink(f"127.0.0.1:{port}", channel, draft_pb2.DraftInfo(), timeout_s=0.2)
+    link = DraftLink(f"127.0.0.1:{port}", channel, draft_pb2.DraftInfo(), timeout_s=0.4)
     try:
         assert not link.owes()
-        assert "no draft reply within 0.20s" in link.exchange(draft_pb2.DraftRequest(step=1)).error
+        assert "no draft reply within 0.40s" in link.exchange(draft_pb2.DraftRequest(step=1)).error
         assert link.owes()
-        time.sleep(0.2)
+        time.sleep(0.45)
         assert not link.owes()  # asked again once RETRY_AFTER_S has passed
         assert link.exchange(draft_pb2.DraftRequest(step=2)).reply is None  # behind step 1's
-        assert link.owes() and link.owed_for == pytest.approx(0.3)
-        time.sleep(0.2)
+        assert link.owes() and link.owed_for == pytest.approx(0.6)
+        time.sleep(0.35)
         assert link.owes()  # (past RETRY_AFTER_S, not past twice it)
         holding.release.set()
         deadline = time.monotonic() + 5
@@ -127,7 +127,7 @@ def test_a_reply_whose_wait_timed_out_is_owed_until_it_comes(monkeypatch):
             time.sleep(0.01)
         result = link.exchange(draft_pb2.DraftRequest(step=3))
         assert result.reply is not None and result.reply.step == 3
-        assert not link.owes() and link.owed_for == pytest.approx(0.15)
+        assert not link.owes() and link.owed_for == pytest.approx(0.3)
     finally:
         link.close()
         server.stop(None)
