@@ -305,8 +305,8 @@ class Engine:
         """Run ``admits`` through the live loop on a stream of their own (warmup and tests),
         handing each event to ``until`` until it returns True; closing the stream then
         cancels whatever still runs. A request that fails, the stream's end or not being done
-        within ``timeout_s`` raises RuntimeError (before, a timeout raised a bare queue.Empty,
-        which failed a start-up step with no message)."""
+        within ``timeout_s`` raises RuntimeError, which names the cause (a start-up step fails
+        with it)."""
         stream_id, outbox = self.open_stream()
         if policy is not None:
             self.submit(stream_id, target_pb2.ServeRequest(policy=policy))
