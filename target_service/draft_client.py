@@ -1,7 +1,8 @@
 """The target's end of the long-lived draft stream: one request and one reply per step
 (with the target's --early-exchange, the request is sent during the step before). An
 EAGLE-3 draft's features go into shared memory when the draft can read it
-(:mod:`splitspec.feature_memory`), else on the stream."""
+(:mod:`splitspec.feature_memory`), else on the stream. A stream that breaks is reopened
+in the background, once the draft answers SERVING again."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from typing import NamedTuple
 import grpc
 import numpy as np
 
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from splitspec.feature_memory import FeatureRing
 from splitspec.grpc_server import wait_for_serving
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -24,6 +27,7 @@ log = logging.getLogger(__name__)
 
 _END = object()
 RETRY_AFTER_S = 2.0
+RECONNECT_EVERY_S = 0.5  # how often a broken stream's background reconnect asks the draft
 OWED_MAX_S = 30.0  # the longest a draft that stays silent goes unasked (DraftLink.owes)
 
 
@@ -53,6 +57,15 @@ class Features(NamedTuple):
     width: int
     dtype: str
     offset: int | None = None
+
+
+class _Opening(NamedTuple):
+    """What a stream about to open needs, made off the engine thread: its feature memory
+    (None: the features travel on the stream), and whether requests may be written into it
+    directly (:meth:`DraftLink.feature_slot`)."""
+
+    ring: FeatureRing | None
+    direct: bool
 
 
 class FeatureSlot(NamedTuple):
@@ -96,6 +109,14 @@ class DraftLink:
     that needs features, each stream it opens gets a segment of that size
     (:class:`FeatureRing`; a file in ``feature_memory_dir`` when given) if the draft can
     read it.
+
+    The link's methods run on the engine thread, one at a time, and none of them waits for
+    the draft beyond a reply's deadline. A stream that breaks is reopened in the background
+    (:meth:`_reconnect`): a thread asks the draft's health every RECONNECT_EVERY_S and,
+    once it answers SERVING with the same DraftInfo, makes the new stream's feature memory
+    and attaches it (a call to the draft, and on a GPU target the page-locking of the
+    segment: 256 MiB by default); the next :meth:`send` opens the stream on it. Until then
+    the link is :attr:`down` and the engine asks nothing of it.
     """
 
     def __init__(self, address: str, channel: grpc.Channel, info: draft_pb2.DraftInfo,
@@ -113,12 +134,16 @@ class DraftLink:
         self._requests: queue.Queue = queue.Queue()
         self._replies: queue.Queue = queue.Queue()
         self._call: grpc.Future | None = None
-        self._retry_at = 0.0
         self._ring: FeatureRing | None = None
         self._sent = self._answered = 0  # requests sent and replies read on this stream
         self._late_at = 0.0  # when a wait for a reply last timed out (time.monotonic())
         self._silent = 0  # waits timed out since the draft last answered anything
-        self._open()
+        self._lock = threading.Lock()  # guards _opening, which the reconnect thread sets
+        self._opening: _Opening | None = None  # made by _reconnect for the next send to open
+        self._reconnecting: threading.Thread | None = None
+        self._broken = threading.Event()  # set by a break, until _reconnect has an opening
+        self._closed = threading.Event()
+        self._open(self._prepare())
 
     @classmethod
     def connect(cls, address: str, timeout_s: float, exchange_timeout_s: float,
@@ -145,14 +170,15 @@ class DraftLink:
         could not be page-locked)."""
         ring = self._ring
         if ring is None or self._call is None or not self._direct:
-            return None
+            return None  # (a stream send reopens gets a new segment)
         start = ring.reserve(size, self._sent)
         return None if start is None else FeatureSlot(start, ring.array[start:start + size])
 
-    def _open(self) -> None:
+    def _open(self, opening: _Opening) -> None:
+        """Open a stream on ``opening``'s feature memory (fast: nothing here waits for the
+        draft)."""
         self._close_ring()
-        if self.info.needs_hidden_states and self.feature_memory_bytes > 0:
-            self._ring = self._attach_ring()
+        self._ring, self._direct = opening
         self._sent = self._answered = 0
         self._requests = queue.Queue()
         self._replies = queue.Queue()
@@ -161,18 +187,26 @@ class DraftLink:
         threading.Thread(target=self._read, args=(self._call, self._replies), daemon=True,
                          name="draft-reader").start()
 
-    def _attach_ring(self) -> FeatureRing | None:
-        """A new segment for the stream about to open, or None when the draft cannot read it
+    def _prepare(self) -> _Opening:
+        """What the next stream needs: its feature memory, when the draft needs features and
+        one was asked for (at start-up, on the caller's thread; later, on the reconnect
+        thread)."""
+        if self.info.needs_hidden_states and self.feature_memory_bytes > 0:
+            return self._attach_ring()
+        return _Opening(None, False)
+
+    def _attach_ring(self) -> _Opening:
+        """A new segment for the stream about to open, or none when the draft cannot read it
         (the features then travel on the stream; the log says why)."""
         if not self.feature_memory_dir and not hasattr(os, "memfd_create"):  # not Linux
             log.info("draft features travel on the stream: no memfd_create on this system")
-            return None
+            return _Opening(None, False)
         try:
             ring = FeatureRing(self.feature_memory_bytes, self.feature_memory_dir)
         except OSError as exc:  # out of memory or file descriptors: the stream still works
             log.warning("draft features travel on the stream, not through shared memory: "
                         "%d bytes of it could not be made: %s", self.feature_memory_bytes, exc)
-            return None
+            return _Opening(None, False)
         request = draft_pb2.AttachFeatureMemoryRequest(path=ring.path, check=ring.check)
         try:
             error = self._stub.AttachFeatureMemory(request, timeout=self.timeout_s).error
@@ -182,14 +216,66 @@ class DraftLink:
             ring.close()
             log.warning("draft features travel on the stream, not through shared memory: %s",
                         error)
-            return None
-        self._direct = True
+            return _Opening(None, False)
+        direct = True
         if self.pin_features and (error := ring.pin()):
             log.warning("draft features staged before they go into shared memory: %s", error)
-            self._direct = False
+            direct = False
         log.info("draft features through shared memory %s (%.0f MiB%s)", ring.path,
                  ring.size / 2**20, ", page-locked" if ring.pinned else "")
-        return ring
+        return _Opening(ring, direct)
+
+    def _draft_problem(self) -> str:
+        """Why the draft cannot take a new stream now ("" when it can): not SERVING, or not
+        answering, or (restarted) another draft than the one this target started with."""
+        try:
+            status = health_pb2_grpc.HealthStub(self._channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=self.timeout_s).status
+            if status != health_pb2.HealthCheckResponse.SERVING:
+                return f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+            info = self._stub.GetInfo(draft_pb2.GetDraftInfoRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as exc:  # down, or still starting: asked again later
+            return f"{exc.code().name} {exc.details()}"
+        if info != self.info:
+            return (f"it is now {info.kind} {info.model_name!r}, not the {self.info.kind} "
+                    f"{self.info.model_name!r} this target started with")
+        return ""
+
+    def _reconnect(self) -> None:
+        """The reconnect thread (started at the first break): after each break, every
+        RECONNECT_EVERY_S until the draft can take a stream again, then the new stream's
+        feature memory, for the next send to open it on."""
+        while True:
+            self._broken.wait()
+            said = ""
+            while not self._closed.wait(RECONNECT_EVERY_S):
+                problem = self._draft_problem()
+                if problem:
+                    if problem != said:
+                        log.info("draft at %s not ready for a new stream (%s): asking again "
+                                 "every %g s", self.address, problem, RECONNECT_EVERY_S)
+                        said = problem
+                    continue
+                opening = self._prepare()
+                with self._lock:
+                    if not self._closed.is_set():
+                        # cleared first: a break after the stream opens on it sets it again
+                        self._broken.clear()
+                        self._opening, opening = opening, None
+                if opening is None:
+                    log.info("draft at %s SERVING again: its stream reopens at the next step",
+                             self.address)
+                    break
+                if opening.ring is not None:  # the link closed meanwhile
+                    opening.ring.close()
+            if self._closed.is_set():
+                return
+
+    @property
+    def down(self) -> bool:
+        """Whether the stream is broken and not yet ready to reopen: a request now would only
+        be dropped (the engine does not build one)."""
+        return self._call is None and self._opening is None
 
     def _close_ring(self) -> None:
         ring, self._ring, self._direct = self._ring, None, False
@@ -209,10 +295,6 @@ class DraftLink:
             return
         replies.put(grpc.RpcError("draft stream closed by the draft"))
 
-    @property
-    def is_open(self) -> bool:
-        return self._call is not None
-
     def exchange(self, request: draft_pb2.DraftRequest) -> ExchangeResult:
         """Send ``request`` and wait for its reply (at most the link's timeout)."""
         return self.receive(self.send(request))
@@ -224,9 +306,11 @@ class DraftLink:
         request."""
         restarted = False
         if self._call is None:
-            if time.monotonic() < self._retry_at:
-                return Sent(request.step, 0.0, "draft stream down, retrying later", False)
-            self._open()
+            with self._lock:
+                opening, self._opening = self._opening, None
+            if opening is None:
+                return Sent(request.step, 0.0, "draft stream down, reconnecting", False)
+            self._open(opening)
             restarted = True
         if features is not None:
             if restarted and features.offset is not None:
@@ -294,9 +378,22 @@ class DraftLink:
         if call is not None:
             call.cancel()
         self._requests.put(_END)
-        self._retry_at = time.monotonic() + RETRY_AFTER_S
+        self._close_ring()
+        self._broken.set()
+        if self._reconnecting is None:
+            self._reconnecting = threading.Thread(target=self._reconnect, daemon=True,
+                                                  name="draft-reconnect")
+            self._reconnecting.start()
 
     def close(self) -> None:
+        self._closed.set()
+        self._broken.set()  # wakes the reconnect thread, to end
+        if self._reconnecting is not None:
+            self._reconnecting.join()
+        with self._lock:
+            opening, self._opening = self._opening, None
+        if opening is not None and opening.ring is not None:
+            opening.ring.close()
         call, self._call = self._call, None
         if call is not None:
             self._requests.put(_END)

@@ -10,6 +10,8 @@ from concurrent import futures
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import HealthServicer
 
 from splitspec.grpc_server import CHANNEL_OPTIONS
 from splitspec.v1 import draft_pb2, draft_pb2_grpc
@@ -131,3 +133,115 @@ def test_a_reply_whose_wait_timed_out_is_owed_until_it_comes(monkeypatch):
     finally:
         link.close()
         server.stop(None)
+
+
+BREAK = 999
+
+
+class Restarting(draft_pb2_grpc.DraftServicer):
+    """A draft whose stream breaks on a request of step BREAK (as when its process
+    dies); its health, DraftInfo and AttachFeatureMemory are the test's to set, and
+    AttachFeatureMemory waits for ``release`` (a slow attach: a page-locked segment, a
+    draft that answers slowly)."""
+
+    def __init__(self) -> None:
+        self.info = draft_pb2.DraftInfo(kind="eagle3", model_name="head", needs_hidden_states=True)
+        self.release = threading.Event()
+        self.release.set()
+        self.attaching = threading.Event()
+        self.attached = 0
+
+    def Exchange(self, request_iterator, context):
+        for request in request_iterator:
+            if request.step == BREAK:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "the draft went away")
+            yield draft_pb2.DraftReply(step=request.step)
+
+    def GetInfo(self, request, context):
+        return self.info
+
+    def AttachFeatureMemory(self, request, context):
+        self.attaching.set()
+        self.release.wait(10)
+        self.attached += 1
+        return draft_pb2.AttachFeatureMemoryReply()
+
+
+@pytest.fixture
+def restarting(monkeypatch):
+    monkeypatch.setattr(draft_client, "RECONNECT_EVERY_S", 0.05)
+    draft = Restarting()
+    health = HealthServicer()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    draft_pb2_grpc.add_DraftServicer_to_server(draft, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
+    link = DraftLink(f"127.0.0.1:{port}", channel, draft.info, timeout_s=5.0,
+                     feature_memory_bytes=1 << 20)
+    yield link, draft, health
+    draft.release.set()
+    link.close()
+    server.stop(None)
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_broken_stream_is_reopened_in_the_background(restarting, caplog):
+    """After a break the link is down: a send returns at once, saying so, and the engine
+    asks nothing of it (DraftLink.down). A thread waits for the draft to answer SERVING,
+    then makes and attaches the next stream's feature memory, however long that takes,
+    without holding up a send; the next send opens the stream on it, and says the draft
+    lost its sequences (stream_restarted)."""
+    link, draft, health = restarting
+    caplog.set_level(logging.INFO, logger="target_service.draft_client")
+    assert link.exchange(draft_pb2.DraftRequest(step=1)).reply is not None
+    assert link.feature_memory and not link.down and draft.attached == 1
+    health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # restarting: still loading
+    draft.release.clear()
+    draft.attaching.clear()
+    broken = link.exchange(draft_pb2.DraftRequest(step=BREAK))
+    assert broken.reply is None and "draft stream failed" in broken.error
+    assert broken.stream_restarted and link.down and link.feature_memory == ""
+    time.sleep(0.3)  # six of the thread's polls
+    assert link.down and not draft.attaching.is_set()  # not SERVING: nothing attached
+    waiting = [m for m in caplog.messages if "not ready for a new stream" in m]
+    assert len(waiting) == 1 and "(health NOT_SERVING)" in waiting[0], caplog.messages
+    sent = link.send(draft_pb2.DraftRequest(step=2))
+    assert sent.error == "draft stream down, reconnecting" and not sent.restarted
+    assert link.receive(sent).reply is None
+
+    health.set("", health_pb2.HealthCheckResponse.SERVING)
+    assert draft.attaching.wait(10)  # the thread now waits in AttachFeatureMemory ...
+    sent = link.send(draft_pb2.DraftRequest(step=3))  # ... and a send does not wait with it
+    assert sent.error and link.down and not draft.release.is_set() and draft.attached == 1
+    draft.release.set()
+    wait_until(lambda: not link.down, "the link did not reconnect")
+    result = link.exchange(draft_pb2.DraftRequest(step=4))
+    assert result.reply is not None and result.reply.step == 4 and result.stream_restarted
+    assert draft.attached == 2 and link.feature_memory  # a new segment (the old one closed)
+    assert link.exchange(draft_pb2.DraftRequest(step=5)).stream_restarted is False
+    assert any("SERVING again" in m for m in caplog.messages)
+
+
+def test_a_draft_that_comes_back_as_another_is_not_reconnected(restarting, caplog):
+    """A draft restarted with another model (its DraftInfo differs from the one this target
+    started with, which set up its capture and checks) gets no new stream until the one the
+    target knows is back."""
+    link, draft, _ = restarting
+    caplog.set_level(logging.INFO, logger="target_service.draft_client")
+    assert link.exchange(draft_pb2.DraftRequest(step=BREAK)).reply is None
+    draft.info = draft_pb2.DraftInfo(kind="standalone", model_name="small")
+    time.sleep(0.3)
+    assert link.down and draft.attached == 1
+    assert any("it is now standalone 'small', not the eagle3 'head' this target started with"
+               in m for m in caplog.messages), caplog.messages
+    draft.info = link.info
+    wait_until(lambda: not link.down, "the link did not reconnect to the draft it knows")
+    assert link.exchange(draft_pb2.DraftRequest(step=2)).reply is not None

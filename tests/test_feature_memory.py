@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from concurrent import futures
 
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health, health_pb2_grpc
 
 from draft_service.drafter import EMPTY_TREE, SeqResult
 from draft_service.servicer import DraftServicer
@@ -116,13 +118,15 @@ class NoMemory(draft_pb2_grpc.DraftServicer):
 @pytest.fixture
 def draft():
     recorder = Recorder()
-    servicer = DraftServicer(recorder, draft_pb2.DraftInfo(), InitReport("draft"))
+    servicer = DraftServicer(recorder, draft_pb2.DraftInfo(needs_hidden_states=True),
+                             InitReport("draft"))
     servers = []
 
     def start(wrapper=None) -> str:
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=CHANNEL_OPTIONS)
         draft_pb2_grpc.add_DraftServicer_to_server(wrapper(servicer) if wrapper else servicer,
                                                    server)
+        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # SERVING
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         servers.append(server)
@@ -339,8 +343,12 @@ def test_a_file_segment_leaves_its_directory_once_the_draft_has_opened_it(draft,
             assert link.receive(link.send(request, features)).reply is not None
             assert request.feature_memory == path and recorder.seen == expected(request, features)
             assert os.listdir(tmp_path) == []
-        link._break()  # as a broken stream: the next send reopens it, with a new segment
-        link._retry_at = 0.0
+        link._break()  # as a broken stream: reconnected in the background, with a new segment
+        assert link.down
+        deadline = time.monotonic() + 10
+        while link.down:
+            assert time.monotonic() < deadline, "the link did not reconnect"
+            time.sleep(0.02)
         request, features = request_of(9, [2])
         sent = link.send(request, features)
         assert sent.restarted and link.feature_memory != path
