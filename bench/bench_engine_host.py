@@ -102,6 +102,8 @@ class StandInDraft:
     """Answers at once, for every sequence, with a tree whose root has children 5 and 0, and
     0's children 0 and 5: the argmax (0) accepts nodes 2 and 3, which the compaction moves."""
 
+    down = False  # its stream never breaks
+
     def __init__(self) -> None:
         self._replies: list[draft_pb2.DraftReply] = []
 

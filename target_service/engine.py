@@ -646,7 +646,8 @@ class Engine:
         largest tree size asked of the draft: from the request the last step sent early
         (:meth:`_send_early`) for the sequences whose shape and tokens it still matches, and
         from one exchange for the others; none while a deferred catch-up runs
-        (:meth:`_defers`)."""
+        (:meth:`_defers`), while the draft owes a late reply (:meth:`DraftLink.owes`), or
+        while its stream is down (:attr:`DraftLink.down`: reconnecting in the background)."""
         shapes, wanting = self._wanting(decode)
         budget = max((shapes[s.seq_id].num_draft_tokens for s in wanting), default=0)
         early, self._early = self._early, None
@@ -666,6 +667,8 @@ class Engine:
             trees = {i: tree for i, tree in early_trees.items() if i in matched}
             wanting = [s for s in wanting if s.seq_id not in matched]
         if wanting and self.draft is not None:
+            if self.draft.down:  # a request would be dropped unsent (it reconnects meanwhile)
+                return {}, 0
             if self.limits.skip_owed and self.draft.owes():  # a request would wait behind it
                 return {}, 0
             caught_up = early is not None and early.catch_up  # (the rest it waits for)
@@ -747,7 +750,8 @@ class Engine:
         emitted and the next step is scheduled (docs/benchmarks.md: the exchange's transit).
         The next step's decode batch is this one's unfinished sequences plus the prompts just
         prefilled; what changes before it starts (a cancellation, a policy) is settled then."""
-        if self.draft is None or (self.limits.skip_owed and self.draft.owes()):
+        if self.draft is None or self.draft.down or (self.limits.skip_owed
+                                                     and self.draft.owes()):
             return None
         shapes, wanting = self._wanting(
             [s for s in self.scheduler.decode_batch() if not s.is_cancelled])
