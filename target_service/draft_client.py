@@ -16,7 +16,6 @@ from typing import NamedTuple
 
 import grpc
 import numpy as np
-
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitspec.feature_memory import FeatureRing
