@@ -418,9 +418,13 @@ def main() -> int:
     parser.add_argument("--out-json", type=Path,
                         help="write every run's figures here (per stack and mode, in order), "
                              "not only the last run's that the report prints")
+    parser.add_argument("--draft-down", action="store_true",
+                        help="with --start: kill each draft (SIGKILL) once its target serves, "
+                             "so that the modes run with the draft away: what asking for "
+                             "speculation costs while the target reconnects")
     args = parser.parse_args()
-    if (args.target_flag or args.draft_flag) and not args.start:
-        parser.error("--target-flag and --draft-flag need --start")
+    if (args.target_flag or args.draft_flag or args.draft_down) and not args.start:
+        parser.error("--target-flag, --draft-flag and --draft-down need --start")
     if args.repeats < 1 or args.warmup < 0:
         parser.error("--repeats must be >= 1 and --warmup >= 0")
     names = args.shapes.split(",")
@@ -445,6 +449,10 @@ def main() -> int:
                                        alive=(lambda: all(p.poll() is None for p in procs))
                                        if procs else None)
             stubs[label] = target_pb2_grpc.TargetStub(channel)
+        if args.draft_down:
+            for draft in procs[::2]:  # each stack's draft, then its target
+                draft.kill()
+                draft.wait()
         prompts = load_prompts(args.prompts, args.models / "target", args.num_prompts,
                                args.prompt_len)
         modes: dict[str, tuple[int, int, int] | str | target_pb2.SpecPolicy | None] = {
