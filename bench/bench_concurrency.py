@@ -425,7 +425,9 @@ def markdown(report: dict[str, Any]) -> str:
     target += f"target flags {' '.join(flags)}, " if flags else ""
     lines = [
         f"{machine['label']}; torch {machine['torch']}, {machine['device']}; {report['date']}. "
-        f"{target}{settings['draft']} draft, {settings['shape_name']} shape "
+        f"{target}{settings['draft']} draft"
+        f"{' (KILLED once the target served: every mode ran with it away)' if settings.get('draft_down') else ''}"
+        f", {settings['shape_name']} shape "
         f"{'/'.join(map(str, settings['shape']))} (nodes/topk/depth); {settings['prompts']} "
         f"prompts{prompt_len} x {new_tokens_text(settings)} new tokens, greedy; "
         f"{settings['repeats']} runs per mode, interleaved"
@@ -741,6 +743,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target-flag", action="append", default=[],
                         help="with --start: one more flag for the target (repeatable; e.g. "
                              "--target-flag=--early-exchange); recorded with the results")
+    parser.add_argument("--draft-down", action="store_true",
+                        help="with --start: kill the draft (SIGKILL) once the target serves, so "
+                             "that every mode runs with the draft away: what asking for "
+                             "speculation costs while the target reconnects; recorded")
     parser.add_argument("--target-model", type=Path,
                         help="with --start: the target checkpoint folder (default: --models' "
                              "target/); its tokenizer encodes the prompts")
@@ -826,9 +832,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.random_8b and args.target_model:
         parser.error("--random-8b and --target-model both name the target: pass one")
     if not args.start and (replay or args.random_8b or args.target_model or args.max_context
-                           or args.feature_memory_mb is not None or args.target_flag):
+                           or args.feature_memory_mb is not None or args.target_flag
+                           or args.draft_down):
         parser.error("--draft-kind replay, --random-8b, --target-model, --max-context, "
-                     "--feature-memory-mb and --target-flag start services: they need --start "
+                     "--feature-memory-mb, --target-flag and --draft-down start services: "
+                     "they need --start "
                      "(against a running stack the report takes the draft's name from the "
                      "target)")
     if ("variant" in args.modes) != (args.variant is not None):
@@ -858,7 +866,8 @@ def main(argv: list[str] | None = None) -> int:
                      "replay_corrupt_rate": args.replay_corrupt_rate if replay else None,
                      "replay_features": args.replay_features and replay,
                      "feature_memory_mb": args.feature_memory_mb,
-                     "target_flags": args.target_flag, "variant": args.variant},
+                     "target_flags": args.target_flag, "variant": args.variant,
+                     "draft_down": args.draft_down},
         "results": [], "complete": False}
     procs: list[subprocess.Popen] = []
     draft: draft_pb2_grpc.DraftStub | None = None
@@ -925,6 +934,11 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         link = next(s for s in report["target_init"]["steps"] if s["name"] == "connect_draft")
         print(f"target connect_draft: {link['detail']}", file=sys.stderr, flush=True)
+        if args.draft_down:
+            procs[0].kill()  # start_stack's first process: the draft
+            procs[0].wait()
+            draft = None
+            print("draft killed (--draft-down)", file=sys.stderr, flush=True)
         report["settings"]["target_model"] = info.model_name
         report["settings"]["target_label"] = (
             f"{info.model_name} (Llama-3.1-8B shape, RANDOM bf16 weights)" if args.random_8b

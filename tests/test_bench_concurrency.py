@@ -138,6 +138,14 @@ def test_rotated_rounds_put_each_mode_once_in_each_place():
     assert "interleaved (the order rotated each round)" in bc.markdown(report)
 
 
+def test_a_run_with_the_draft_killed_says_so():
+    report = json.loads(json.dumps(REPORT))
+    assert "KILLED" not in bc.markdown(report)
+    report["settings"]["draft_down"] = True
+    assert "draft (KILLED once the target served: every mode ran with it away)" in bc.markdown(
+        report)
+
+
 def test_a_variant_policy_is_keyword_arguments_checked_and_tabled_against_adaptive():
     """--variant's JSON must be keyword arguments an AdaptivePolicy takes; a report with the
     variant mode gives its per-round ratio to adaptive a column of its own."""
@@ -199,6 +207,7 @@ def test_expected_replay_acceptance_follows_the_main_path():
     (["--start", "--random-8b", "--device", "cuda", "--target-model", "/x"], "pass one"),
     (["--draft-kind", "replay"], "need --start"),
     (["--target-flag=--early-exchange"], "need --start"),
+    (["--draft-down"], "need --start"),
     (["--modes", "OFF,ON,variant"], "the mode variant and --variant go together"),
     (["--variant", '{"probe_share": 0.01}'], "the mode variant and --variant go together"),
     (["--start", "--draft-kind", "replay", "--replay-corrupt-rate", "1.5"],
