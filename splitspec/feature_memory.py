@@ -34,6 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 CHECK_BYTES = 16  # the segment starts with these random bytes: the draft checks it opened ours
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 class FeatureRing:
@@ -72,9 +73,12 @@ class FeatureRing:
         """Page-lock the segment for CUDA, so that a GPU's copies write into it directly (at
         device speed; to unlocked memory they went at a twentieth of it) and its pages are
         all allocated now, not at a catch-up's first write into them (25 us a 24 KiB row on
-        the H200's host; docs/benchmarks.md, thirty-fifth part): "" once done, or why not."""
+        the H200's host; docs/benchmarks.md, thirty-fifth part): "" once done, or why not.
+        Portable: locked for every device's context, not only the calling thread's current
+        one (the draft link pins a reconnected stream's segment on its reconnect thread)."""
         cudart = torch.cuda.cudart()
-        error = cudart.cudaHostRegister(self.array.ctypes.data, self.size, 0)
+        error = cudart.cudaHostRegister(self.array.ctypes.data, self.size,
+                                        CUDA_HOST_REGISTER_PORTABLE)
         if error != cudart.cudaError.success:
             return f"cudaHostRegister of {self.size} bytes failed: {error}"
         self.pinned = True

@@ -340,6 +340,34 @@ def test_read_features_writes_into_a_page_locked_feature_memory():
     view.close()
 
 
+def test_a_feature_memory_locked_on_another_thread_is_locked_for_the_engines():
+    """The draft link pins a reconnected stream's segment on its reconnect thread
+    (DraftLink._reconnect): the memory is page-locked for the engine thread's device too,
+    and read_features writes into it there."""
+    import threading
+
+    from splitspec.feature_memory import FeatureRing
+    from target_service.runner import ModelRunner
+
+    cache = KVCache(1, 64, PAGE, 1, 8, torch.bfloat16, "cuda")
+    cache.hold_features(24, torch.bfloat16)
+    cache.features.copy_(torch.randn(cache.features.shape).to(cache.features))
+    runner = ModelRunner(None, cache, None, "cuda")
+    ring = FeatureRing(1 << 20)
+    errors: list[str] = []
+    thread = threading.Thread(target=lambda: errors.append(ring.pin()), name="draft-reconnect")
+    thread.start()
+    thread.join()
+    assert errors == [""] and ring.pinned
+    assert torch.from_numpy(ring.array).is_pinned()  # on this thread
+    slots = list(range(100, 0, -3))
+    size = len(slots) * runner.feature_row_bytes
+    start = ring.reserve(size, 0)
+    rows = runner.read_features(slots, ring.array[start:start + size])
+    assert rows.is_pinned() and torch.equal(rows, cache.features.cpu()[slots])
+    ring.close()
+
+
 def test_row_staging_sends_through_pinned_memory_without_rewriting_a_copy_in_flight():
     """RowStaging on CUDA: each call's rows reach the device whole even when the next call
     rewrites the reused pinned buffer at once (it waits for the last copy first)."""
