@@ -214,6 +214,7 @@ class Engine:
         self._step = 0
         self._draft_compute_s = 0.0
         self._draft_input_tokens = 0
+        self._draft_unavailable = False  # this step's draft could not be asked, or did not answer
         # the requests that ended since the last stats: their prompt and generated tokens, count
         self._finished = [0, 0, 0]
         self._period_start: float | None = None  # end of the last step or of a wait for work
@@ -555,6 +556,7 @@ class Engine:
         draft_start = time.perf_counter()
         self._draft_compute_s = 0.0
         self._draft_input_tokens = 0
+        self._draft_unavailable = False
         self._step_traceparent = telemetry.traceparent(span)
         trees, budget = self._draft_trees(decode)
         prefill += self._late_prompts(prefill, span)
@@ -586,7 +588,8 @@ class Engine:
             first_child_accepted=first_child_counts(decode, trees, result.accepted, kept),
             finished_prompt_tokens=self._finished[0],
             finished_generated_tokens=self._finished[1], finished_requests=self._finished[2],
-            held_sequences=held, catching_up=self._early is not None and self._early.catch_up)
+            held_sequences=held, catching_up=self._early is not None and self._early.catch_up,
+            draft_unavailable=self._draft_unavailable)
         self._finished = [0, 0, 0]
         self._record_step(self.last_stats, span)
         span.end()
@@ -603,6 +606,7 @@ class Engine:
                 "splitspec.step": stats.step, "splitspec.batch_size": stats.batch_size,
                 "splitspec.prefill_tokens": stats.prefill_tokens,
                 "splitspec.speculation": stats.speculated,
+                "splitspec.draft_unavailable": stats.draft_unavailable,
                 "splitspec.tree_size": stats.drafted_tokens,
                 "splitspec.accepted_tokens": stats.accepted_tokens,
                 "splitspec.draft_s": stats.draft_s, "splitspec.draft_compute_s": stats.draft_compute_s,
@@ -661,16 +665,16 @@ class Engine:
             early_trees: dict[int, Tree] = {}
             if not self._take_reply(self.draft.receive(early.sent), early.seqs, early.releases,
                                     early_trees):
-                return {}, 0
+                return self._without_draft()
             matched = {s.seq_id for s in wanting
                        if early.seqs.get(s.seq_id) == (len(s.tokens), shapes[s.seq_id])}
             trees = {i: tree for i, tree in early_trees.items() if i in matched}
             wanting = [s for s in wanting if s.seq_id not in matched]
         if wanting and self.draft is not None:
             if self.draft.down:  # a request would be dropped unsent (it reconnects meanwhile)
-                return {}, 0
+                return self._without_draft()
             if self.limits.skip_owed and self.draft.owes():  # a request would wait behind it
-                return {}, 0
+                return self._without_draft()
             caught_up = early is not None and early.catch_up  # (the rest it waits for)
             if not caught_up and self._defers(wanting):
                 self._early = self._send_catch_up(wanting)
@@ -681,8 +685,13 @@ class Engine:
             self._flush()
             if not self._take_reply(self.draft.receive(sent), asked,
                                     list(request.release_ids), trees):
-                return {}, 0
+                return self._without_draft()
         return trees, budget
+
+    def _without_draft(self) -> tuple[dict[int, Tree], int]:
+        """No trees this step, for want of the draft (StepStats.draft_unavailable)."""
+        self._draft_unavailable = True
+        return {}, 0
 
     def _defers(self, wanting: list[Sequence]) -> bool:
         """Whether this step leaves the draft's catch-up to run beside it: when the last step

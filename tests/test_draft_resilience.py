@@ -137,6 +137,9 @@ def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts, flags):
         assert all(r.spec.verify_steps > 0 and r.spec.plain_steps > 0 for r in replies), replies
         assert "decodes without speculation" in target.log
         assert gateway.health() == 1 and target.health() == 1  # still SERVING
+        # GetStatus says why the last step went without speculation
+        status = stub.GetStatus(gateway_pb2.GetStatusRequest(), timeout=10)
+        assert status.last_step.draft_unavailable and not status.speculating, status.last_step
         # The draft comes back on the same port: speculation resumes, output unchanged.
         draft = Service("draft_service", [], tmp_path, port=draft.port).wait_serving()
         deadline = time.monotonic() + 15  # the target asks the draft's health every 0.5 s

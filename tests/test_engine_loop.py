@@ -883,6 +883,9 @@ def test_while_the_draft_owes_a_late_reply_the_steps_neither_wait_nor_ask():
         assert {4, 5}.isdisjoint(asked) and 6 in asked, (early, sorted(asked))
         assert [stats[n].speculated for n in range(2, 8)] == [True, False, False, False,
                                                               True, True], early
+        # (StepStats.draft_unavailable: the adaptive policy learns nothing from those steps)
+        assert [stats[n].draft_unavailable for n in range(2, 8)] == [False, True, True, True,
+                                                                     False, False], early
         (caught_up,) = [r.seqs[0] for _, r in draft.sent if r.step == 6]
         # from where the last answered request left the draft (the prompt and the first
         # token): step 2's 3 tokens, whose request timed out, and steps 3 to 5's
@@ -928,6 +931,8 @@ def test_while_the_draft_stream_is_down_the_steps_build_no_request():
         assert {4, 5}.isdisjoint(asked) and 6 in asked, (early, sorted(asked))
         assert [stats[n].speculated for n in range(2, 8)] == [True, False, False, False,
                                                               True, True], early
+        assert [stats[n].draft_unavailable for n in range(2, 8)] == [False, True, True, True,
+                                                                     False, False], early
         (caught_up,) = [r.seqs[0] for _, r in draft.sent if r.step == 6]
         assert caught_up.start == 0 and list(caught_up.new_tokens[:3]) == [3, 1, 4], early
 

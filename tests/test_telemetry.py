@@ -23,7 +23,7 @@ GENAI_ATTRIBUTES = {"gen_ai.operation.name", "gen_ai.request.model", "gen_ai.req
                     "gen_ai.usage.output_tokens", "gen_ai.response.finish_reasons"}
 STEP_ATTRIBUTES = {"splitspec.batch_size", "splitspec.speculation", "splitspec.tree_size",
                    "splitspec.accepted_tokens", "splitspec.forward_s", "splitspec.forward_launch_s",
-                   "splitspec.forward_launch_cpu_s",
+                   "splitspec.forward_launch_cpu_s", "splitspec.draft_unavailable",
                    "splitspec.draft_s"}
 GATEWAY_METRICS = {"gen_ai.server.time_to_first_token", "gen_ai.server.time_per_output_token",
                    "gen_ai.server.request.duration"}

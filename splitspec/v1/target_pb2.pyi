@@ -105,7 +105,7 @@ class TokenDelta(_message.Message):
     def __init__(self, request_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., error: _Optional[str] = ..., spec: _Optional[_Union[_common_pb2.SpecStats, _Mapping]] = ..., queue_s: _Optional[float] = ..., retryable: _Optional[bool] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("step", "batch_size", "prefill_tokens", "speculated", "drafted_tokens", "accepted_tokens", "draft_s", "forward_s", "total_s", "waiting", "draft_compute_s", "period_s", "committed_tokens", "graphed", "tree_budget", "first_child_accepted", "forward_launch_s", "forward_launch_cpu_s", "draft_input_tokens", "finished_prompt_tokens", "finished_generated_tokens", "finished_requests", "held_sequences", "catching_up")
+    __slots__ = ("step", "batch_size", "prefill_tokens", "speculated", "drafted_tokens", "accepted_tokens", "draft_s", "forward_s", "total_s", "waiting", "draft_compute_s", "period_s", "committed_tokens", "graphed", "tree_budget", "first_child_accepted", "forward_launch_s", "forward_launch_cpu_s", "draft_input_tokens", "finished_prompt_tokens", "finished_generated_tokens", "finished_requests", "held_sequences", "catching_up", "draft_unavailable")
     STEP_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class StepStats(_message.Message):
     FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     HELD_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     CATCHING_UP_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     step: int
     batch_size: int
     prefill_tokens: int
@@ -154,7 +155,8 @@ class StepStats(_message.Message):
     finished_requests: int
     held_sequences: int
     catching_up: bool
-    def __init__(self, step: _Optional[int] = ..., batch_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., speculated: _Optional[bool] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., total_s: _Optional[float] = ..., waiting: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., period_s: _Optional[float] = ..., committed_tokens: _Optional[int] = ..., graphed: _Optional[bool] = ..., tree_budget: _Optional[int] = ..., first_child_accepted: _Optional[_Iterable[int]] = ..., forward_launch_s: _Optional[float] = ..., forward_launch_cpu_s: _Optional[float] = ..., draft_input_tokens: _Optional[int] = ..., finished_prompt_tokens: _Optional[int] = ..., finished_generated_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., held_sequences: _Optional[int] = ..., catching_up: _Optional[bool] = ...) -> None: ...
+    draft_unavailable: bool
+    def __init__(self, step: _Optional[int] = ..., batch_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., speculated: _Optional[bool] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., total_s: _Optional[float] = ..., waiting: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., period_s: _Optional[float] = ..., committed_tokens: _Optional[int] = ..., graphed: _Optional[bool] = ..., tree_budget: _Optional[int] = ..., first_child_accepted: _Optional[_Iterable[int]] = ..., forward_launch_s: _Optional[float] = ..., forward_launch_cpu_s: _Optional[float] = ..., draft_input_tokens: _Optional[int] = ..., finished_prompt_tokens: _Optional[int] = ..., finished_generated_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., held_sequences: _Optional[int] = ..., catching_up: _Optional[bool] = ..., draft_unavailable: _Optional[bool] = ...) -> None: ...
 
 class ServeEvent(_message.Message):
     __slots__ = ("deltas", "stats", "target_stopping")
