@@ -406,6 +406,12 @@ class AdaptivePolicy:
                              stats.finished_requests))
         if stats.batch_size == 0 or stats.period_s <= 0 or mode is None:
             return None  # prompts alone say nothing about decode speed
+        if stats.draft_unavailable:
+            # Decoded plainly for want of the draft (down, or late): it says nothing of what
+            # the modes cost, and a probe under way waits for it to come back. The next
+            # speculative step follows plain ones (its catch-up is a change of mode's).
+            self._last_mode = 0
+            return None
         size = bucket_of(stats.batch_size)
         bucket = self.buckets[size]
         if len(self._visits) == VISITS:

@@ -930,3 +930,26 @@ def test_a_probe_waits_for_a_deferred_catch_up_and_counts_its_time():
     cost."""
     assert deferred_probe(True) == (pytest.approx(0.06), 7)
     assert deferred_probe(False) == (0.0, 4)
+
+
+def test_steps_without_the_draft_teach_the_policy_nothing():
+    """StepStats.draft_unavailable: a step that decoded plainly because the draft was down or
+    late (its period holding a missed deadline) is neither off's step nor the mode in use's.
+    A probe of off under way when the draft goes away waits for it to come back, and is then
+    judged on steps that ran as asked: off at its true third of the tree's rate, not at the
+    sixtieth of it that steps holding a 0.2 s deadline would make it."""
+    policy = AdaptivePolicy([DEFAULT], first_probe=16, probe_every=50)
+    bucket = policy.buckets[bucket_of(4)]
+    while not (bucket.probe_left and bucket.probing == 0 and bucket.probe):
+        speculate = speculates(policy, 4)
+        policy.observe(step(4, speculate, 0.01, 8 if speculate else 0))  # the tree: 3 a step
+    probe_left, probe = bucket.probe_left, list(bucket.probe)
+    for _ in range(40):  # the draft away: each step waits out a 0.2 s deadline
+        stats = step(4, False, 0.21)
+        stats.draft_unavailable = True
+        assert policy.observe(stats) is None
+    assert (bucket.probe_left, bucket.probe) == (probe_left, probe)
+    while not bucket.ratios[0]:
+        speculate = speculates(policy, 4)
+        policy.observe(step(4, speculate, 0.01, 8 if speculate else 0))
+    assert bucket.is_on and list(bucket.ratios[0]) == [pytest.approx(1 / 3)]
