@@ -545,12 +545,13 @@ def draft_counts(draft: draft_pb2_grpc.DraftStub | None) -> tuple[int, int]:
 
 # waiting: sequences in the target's queue at the step (no room among the running yet), so
 # that a trace tells them from those on their way back from the client; catching_up: a step
-# without speculation while the draft caught up (the target's --defer-catch-up)
+# without speculation while the draft caught up (the target's --defer-catch-up);
+# draft_unavailable: one without it for want of the draft (down or late)
 TRACE_FIELDS = ("step", "batch_size", "prefill_tokens", "speculated", "tree_budget",
                 "committed_tokens", "period_s", "total_s", "draft_s", "forward_s", "waiting",
                 "draft_compute_s", "draft_input_tokens", "finished_prompt_tokens",
                 "finished_generated_tokens", "finished_requests", "held_sequences",
-                "catching_up")
+                "catching_up", "draft_unavailable")
 
 
 def write_trace(path: Path | None, concurrency: int, mode: str, run: int,
