@@ -31,7 +31,8 @@ def trace_line(mode: str, run: int, budget: int, period_s: float, committed: int
                "total_s": period, "draft_s": 0.0, "forward_s": period, "waiting": 0,
                "draft_compute_s": 0.0, "draft_input_tokens": committed if budget else 0,
                "finished_prompt_tokens": 0, "finished_generated_tokens": 0,
-               "finished_requests": 0, "held_sequences": 1, "catching_up": False}
+               "finished_requests": 0, "held_sequences": 1, "catching_up": False,
+               "draft_unavailable": False}
         rows.append([row[name] for name in TRACE_FIELDS] + [[]])
     return json.dumps({"concurrency": 1, "mode": mode, "run": run,
                        "fields": [*TRACE_FIELDS, "first_child_accepted"], "steps": rows})
