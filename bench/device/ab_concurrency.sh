@@ -26,6 +26,7 @@ for which in "${trees[@]}"; do  # every tree tokenizes with the working tree's b
         ln -s "$root/splitspec/builtin/models" "${src[$which]}/splitspec/builtin/models"
     fi
 done
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)  # H100 or H200
 first=${FIRST_ROUND:-1}  # a later call's rounds: FIRST_ROUND=2 begins with the order reversed
 for i in $(seq "$first" $((first + rounds - 1))); do
     round_order "$i"
@@ -41,7 +42,7 @@ for i in $(seq "$first" $((first + rounds - 1))); do
             python3 -u bench_concurrency.py --start --device cuda --dtype bfloat16 --random-8b \
             --draft-kind replay --replay-corrupt-rate 0.18 --prompts heldout \
             --max-new-tokens 48 --max-context 256 --concurrency "${CONC:-32}" \
-            --modes OFF,ON,adaptive --repeats 3 --min-run-s 4 --machine "one H200" \
+            --modes OFF,ON,adaptive --repeats 3 --min-run-s 4 --machine "one $card" \
             --out-json "$OUT/conc_${i}_$which.json" --step-trace "/tmp/steps_${i}_$which.jsonl" \
             "$@" ${extra[@]+"${extra[@]}"}) >> "$OUT/ab_conc.log" 2>&1
         echo "$which: rc $?" | tee -a "$OUT/ab_conc.log"
