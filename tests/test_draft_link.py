@@ -209,7 +209,9 @@ def test_a_broken_stream_is_reopened_in_the_background(restarting, caplog):
     broken = link.exchange(draft_pb2.DraftRequest(step=BREAK))
     assert broken.reply is None and "draft stream failed" in broken.error
     assert broken.stream_restarted and link.down and link.feature_memory == ""
-    time.sleep(0.3)  # six of the thread's polls
+    wait_until(lambda: any("not ready for a new stream" in m for m in caplog.messages),
+               "the reconnect thread did not ask the draft")
+    time.sleep(0.3)  # six more of the thread's polls
     assert link.down and not draft.attaching.is_set()  # not SERVING: nothing attached
     waiting = [m for m in caplog.messages if "not ready for a new stream" in m]
     assert len(waiting) == 1 and "(health NOT_SERVING)" in waiting[0], caplog.messages
@@ -236,12 +238,12 @@ def test_a_draft_that_comes_back_as_another_is_not_reconnected(restarting, caplo
     target knows is back."""
     link, draft, _ = restarting
     caplog.set_level(logging.INFO, logger="target_service.draft_client")
+    draft.info = draft_pb2.DraftInfo(kind="standalone", model_name="small")  # once it restarts
     assert link.exchange(draft_pb2.DraftRequest(step=BREAK)).reply is None
-    draft.info = draft_pb2.DraftInfo(kind="standalone", model_name="small")
-    time.sleep(0.3)
+    wait_until(lambda: any("it is now standalone 'small', not the eagle3 'head' this target "
+                           "started with" in m for m in caplog.messages), "no reason logged")
+    time.sleep(0.3)  # six more of the thread's polls
     assert link.down and draft.attached == 1
-    assert any("it is now standalone 'small', not the eagle3 'head' this target started with"
-               in m for m in caplog.messages), caplog.messages
     draft.info = link.info
     wait_until(lambda: not link.down, "the link did not reconnect to the draft it knows")
     assert link.exchange(draft_pb2.DraftRequest(step=2)).reply is not None
