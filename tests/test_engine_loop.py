@@ -868,28 +868,40 @@ def test_while_the_draft_owes_a_late_reply_the_steps_neither_wait_nor_ask():
     without speculation and send nothing until the draft has answered (step 6 here), which
     then catches it up on what they committed. Output unchanged; with the early exchange
     too. Without skip_owed (warmup) the steps go on asking."""
-    for early, skip in ((False, True), (True, True), (False, False)):
-        draft = HeldDraft()
-        with running_engine(NullRunner(), PagePool(8), draft, CHAIN, early,
-                            skip_owed=skip) as engine:
-            stream, outbox = engine.open_stream()
-            engine.submit(stream, admit(1, [3, 1, 4], 20))
-            deltas, stats = deltas_by_step(outbox, 1)
-        assert [t for _, chunk, _ in deltas[1] for t in chunk] == [7] * 20
-        asked = {step for step, _ in draft.sent}
-        if not skip:
-            assert {4, 5} <= asked and stats[4].speculated, sorted(asked)
-            continue
-        assert {4, 5}.isdisjoint(asked) and 6 in asked, (early, sorted(asked))
-        assert [stats[n].speculated for n in range(2, 8)] == [True, False, False, False,
-                                                              True, True], early
-        # (StepStats.draft_unavailable: the adaptive policy learns nothing from those steps)
-        assert [stats[n].draft_unavailable for n in range(2, 8)] == [False, True, True, True,
-                                                                     False, False], early
-        (caught_up,) = [r.seqs[0] for _, r in draft.sent if r.step == 6]
+    for early in (False, True):
+        caught_up = through_steps_without_the_draft(HeldDraft(), early, skip_owed=True)
         # from where the last answered request left the draft (the prompt and the first
         # token): step 2's 3 tokens, whose request timed out, and steps 3 to 5's
-        assert caught_up.start == 4 and len(caught_up.new_tokens) == 6
+        assert caught_up.start == 4 and len(caught_up.new_tokens) == 6, early
+    draft = HeldDraft()
+    with running_engine(NullRunner(), PagePool(8), draft, CHAIN, False,
+                        skip_owed=False) as engine:
+        stream, outbox = engine.open_stream()
+        engine.submit(stream, admit(1, [3, 1, 4], 20))
+        _, stats = deltas_by_step(outbox, 1)
+    asked = {step for step, _ in draft.sent}
+    assert {4, 5} <= asked and stats[4].speculated, sorted(asked)
+
+
+def through_steps_without_the_draft(draft: ChainDraft, early: bool,
+                                    **limits: bool) -> draft_pb2.SeqDraftInput:
+    """Serve one 20-token request with ``draft``, which fails the target's step 3 and cannot
+    be asked at steps 4 and 5: the output is unchanged, those steps ask nothing, steps 3-5
+    decode without speculation and say why (StepStats.draft_unavailable: the adaptive policy
+    learns nothing from them), and step 6 speculates again. Returns what step 6 sent."""
+    with running_engine(NullRunner(), PagePool(8), draft, CHAIN, early, **limits) as engine:
+        stream, outbox = engine.open_stream()
+        engine.submit(stream, admit(1, [3, 1, 4], 20))
+        deltas, stats = deltas_by_step(outbox, 1)
+    assert [t for _, chunk, _ in deltas[1] for t in chunk] == [7] * 20
+    asked = {step for step, _ in draft.sent}
+    assert {4, 5}.isdisjoint(asked) and 6 in asked, (early, sorted(asked))
+    assert [stats[n].speculated for n in range(2, 8)] == [True, False, False, False,
+                                                          True, True], early
+    assert [stats[n].draft_unavailable for n in range(2, 8)] == [False, True, True, True,
+                                                                 False, False], early
+    (caught_up,) = [r.seqs[0] for _, r in draft.sent if r.step == 6]
+    return caught_up
 
 
 class BreakingDraft(ChainDraft):
@@ -921,19 +933,7 @@ def test_while_the_draft_stream_is_down_the_steps_build_no_request():
     request after it catches the draft up from the start. Output unchanged; with the early
     exchange too."""
     for early in (False, True):
-        draft = BreakingDraft()
-        with running_engine(NullRunner(), PagePool(8), draft, CHAIN, early) as engine:
-            stream, outbox = engine.open_stream()
-            engine.submit(stream, admit(1, [3, 1, 4], 20))
-            deltas, stats = deltas_by_step(outbox, 1)
-        assert [t for _, chunk, _ in deltas[1] for t in chunk] == [7] * 20
-        asked = {step for step, _ in draft.sent}
-        assert {4, 5}.isdisjoint(asked) and 6 in asked, (early, sorted(asked))
-        assert [stats[n].speculated for n in range(2, 8)] == [True, False, False, False,
-                                                              True, True], early
-        assert [stats[n].draft_unavailable for n in range(2, 8)] == [False, True, True, True,
-                                                                     False, False], early
-        (caught_up,) = [r.seqs[0] for _, r in draft.sent if r.step == 6]
+        caught_up = through_steps_without_the_draft(BreakingDraft(), early)
         assert caught_up.start == 0 and list(caught_up.new_tokens[:3]) == [3, 1, 4], early
 
 
