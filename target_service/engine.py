@@ -671,9 +671,7 @@ class Engine:
             trees = {i: tree for i, tree in early_trees.items() if i in matched}
             wanting = [s for s in wanting if s.seq_id not in matched]
         if wanting and self.draft is not None:
-            if self.draft.down:  # a request would be dropped unsent (it reconnects meanwhile)
-                return self._without_draft()
-            if self.limits.skip_owed and self.draft.owes():  # a request would wait behind it
+            if not self._may_ask():
                 return self._without_draft()
             caught_up = early is not None and early.catch_up  # (the rest it waits for)
             if not caught_up and self._defers(wanting):
@@ -687,6 +685,12 @@ class Engine:
                                     list(request.release_ids), trees):
                 return self._without_draft()
         return trees, budget
+
+    def _may_ask(self) -> bool:
+        """Whether a draft request now could be answered in time: not while the stream is
+        down (it would be dropped unsent; the link reconnects meanwhile), nor, once served
+        (``skip_owed``), while the draft owes a late reply (it would queue behind it)."""
+        return not (self.draft.down or (self.limits.skip_owed and self.draft.owes()))
 
     def _without_draft(self) -> tuple[dict[int, Tree], int]:
         """No trees this step, for want of the draft (StepStats.draft_unavailable)."""
@@ -759,8 +763,7 @@ class Engine:
         emitted and the next step is scheduled (docs/benchmarks.md: the exchange's transit).
         The next step's decode batch is this one's unfinished sequences plus the prompts just
         prefilled; what changes before it starts (a cancellation, a policy) is settled then."""
-        if self.draft is None or self.draft.down or (self.limits.skip_owed
-                                                     and self.draft.owes()):
+        if self.draft is None or not self._may_ask():
             return None
         shapes, wanting = self._wanting(
             [s for s in self.scheduler.decode_batch() if not s.is_cancelled])
