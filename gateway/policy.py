@@ -293,9 +293,13 @@ class AdaptivePolicy:
     steps: when its steps take k times as long as the mode in use's (k > 1),
     its interval is k times ``probe_every`` steps, so a probe costs the same
     share of the time whichever mode is in use (on an H200 at 32 streams a
-    verify step took 3.5 plain ones), and at least so far apart that what a
-    probe lost (its catch-ups, and its steps' shortfall) is ``probe_share``
-    (2 %) of the time. Each probe in a row that finds the mode
+    verify step took 3.5 plain ones), and at least so far apart that what its
+    probes lose (their catch-ups, and their steps' shortfall) is its part of
+    ``probe_share`` (2 %) of the time: one budget, split evenly between the
+    other modes, so that the probes of all of them lose at most 2 % together
+    (the aim is 3 % of the best; at 2 % a mode, two modes' probes lost 4-5 %
+    at 64 streams on a 2-core CPU, where the tree's step took 7 plain ones
+    and a probe of it 1.3 s of a 6-s run). Each probe in a row that finds the mode
     in use ahead by more than ``clear`` (relative, 20 %) doubles that mode's
     interval, up to ``2**max_doublings`` times (re-measuring a mode that is
     far behind costs tokens and says little); a closer call resets it, and so
@@ -364,7 +368,7 @@ class AdaptivePolicy:
         self.min_gains = min_gains
         self.unknown_cost = unknown_cost  # a budget's input_cost before its own is known
         self.borrow_cost = borrow_cost  # or every budget's, once that is known (input_cost)
-        self.probe_share = probe_share  # of the time, at most, that probes lose (_interval)
+        self.probe_share = probe_share  # of the time, at most, that all probes lose (_interval)
         self.passing = passing  # whether buckets the batch passes through follow others
         self.confirm = confirm  # probes a switch needs, unless one found the mode clearly ahead
         self._visits: deque[tuple[int, bool]] = deque(maxlen=VISITS)  # the last decode
@@ -633,13 +637,15 @@ class AdaptivePolicy:
     def _interval(self, bucket: _Bucket, mode: int) -> int:
         """Steps of the mode in use between probes of ``mode``: ``probe_every`` times its
         step time over the mode in use's, and at least enough that what its last probe lost
-        (:attr:`_Bucket.lost`) is ``probe_share`` of the time between two (a probe of the
-        chain from off at 64 streams on an H200 with a head's features lost 0.1-0.2 s to
-        its catch-up, which 100 plain steps' 0.65 s cannot carry)."""
+        (:attr:`_Bucket.lost`) is the mode's part of ``probe_share`` (an even split between
+        the modes not in use) of the time between two (a probe of the chain from off at 64
+        streams on an H200 with a head's features lost 0.1-0.2 s to its catch-up, which 100
+        plain steps' 0.65 s cannot carry)."""
         if not bucket.ratios[mode]:
             return self.first_probe
+        share = self.probe_share / (len(self.modes) - 1)
         steps = max(self.probe_every * max(bucket.costs[mode], 1.0),
-                    bucket.lost.get(mode, 0.0) / self.probe_share / mean_period(bucket.window))
+                    bucket.lost.get(mode, 0.0) / share / mean_period(bucket.window))
         return round(steps) << min(bucket.streaks[mode], self.max_doublings)
 
     def _decide(self, bucket: _Bucket, size: int, catching_up: bool = False) -> None:
@@ -745,7 +751,9 @@ class AdaptivePolicy:
         spent = sum(s.period for s in bucket.probe) + catch_ups
         bucket.costs[other] = spent / len(bucket.probe) / mean_period(current)
         got = (1 + self._gain(bucket, other)) * len(bucket.probe) / spent
-        tokens = (1 + self._gain(bucket, other)) * len(bucket.probe)  # a sequence's
+        # a sequence's tokens in the probe, its first step's too (beyond its catch-up, that
+        # step is one of the mode's: at 64 streams on a 2-core CPU, 8 % of a tree probe's loss)
+        tokens = (1 + self._gain(bucket, other)) * (len(bucket.probe) + (bucket.first is not None))
         bucket.lost[other] = catch_ups + max(tokens / theirs - tokens / mine, 0.0)
         bucket.ratios[other].append(theirs / mine)
         bucket.decided = True
