@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -248,6 +249,11 @@ class TargetClient:
             log.warning("the target at %s is stopping: new requests get UNAVAILABLE until it is "
                         "back; the %d in flight go on", self._peer.address, in_flight)
             self._listener.target_down()
+        if event.HasField("draft_report"):  # the target reconnected to its draft
+            self._peer.info.draft_report.CopyFrom(event.draft_report)
+            log.info("the target's draft stream was reopened; its draft started at %s",
+                     time.strftime("%Y-%m-%d %H:%M:%S",
+                                   time.localtime(event.draft_report.started_at_unix_s)))
         for delta in event.deltas:
             with self._lock:
                 is_final = delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED

@@ -142,6 +142,9 @@ class DraftLink:
         self._reconnecting: threading.Thread | None = None
         self._broken = threading.Event()  # set by a break, until _reconnect has an opening
         self._closed = threading.Event()
+        # The draft's start-up report (init_report): after a break, the one it gives when it
+        # can take a stream again (a restarted draft's own), set before that stream opens.
+        self.report: common_pb2.InitReport | None = None
         self._open(self._prepare())
 
     @classmethod
@@ -159,7 +162,9 @@ class DraftLink:
         return self._ring.path if self._ring is not None else ""
 
     def init_report(self) -> common_pb2.InitReport:
-        return self._stub.GetInitReport(common_pb2.GetInitReportRequest(), timeout=10)
+        """The draft's start-up report, asked for now (and kept as :attr:`report`)."""
+        self.report = self._stub.GetInitReport(common_pb2.GetInitReportRequest(), timeout=10)
+        return self.report
 
     def feature_slot(self, size: int) -> FeatureSlot | None:
         """Room for the next request's ``size`` bytes of features in the stream's feature
@@ -226,18 +231,22 @@ class DraftLink:
 
     def _draft_problem(self) -> str:
         """Why the draft cannot take a new stream now ("" when it can): not SERVING, or not
-        answering, or (restarted) another draft than the one this target started with."""
+        answering, or (restarted) another draft than the one this target started with. When
+        it can, its start-up report is kept as :attr:`report`."""
         try:
             status = health_pb2_grpc.HealthStub(self._channel).Check(
                 health_pb2.HealthCheckRequest(), timeout=self.timeout_s).status
             if status != health_pb2.HealthCheckResponse.SERVING:
                 return f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
             info = self._stub.GetInfo(draft_pb2.GetDraftInfoRequest(), timeout=self.timeout_s)
+            report = self._stub.GetInitReport(common_pb2.GetInitReportRequest(),
+                                              timeout=self.timeout_s)
         except grpc.RpcError as exc:  # down, or still starting: asked again later
             return f"{exc.code().name} {exc.details()}"
         if info != self.info:
             return (f"it is now {info.kind} {info.model_name!r}, not the {self.info.kind} "
                     f"{self.info.model_name!r} this target started with")
+        self.report = report
         return ""
 
     def _reconnect(self) -> None:

@@ -197,6 +197,7 @@ class Engine:
         self.scheduler = scheduler
         self.limits = limits
         self.draft = draft
+        self._draft_report = draft.report if draft is not None else None  # the last told
         self.capture = capture
         self._policies: dict[int, target_pb2.SpecPolicy] = {}  # per stream; default: always_speculate
         # (stream, request mode, batch size) -> the shape its policy gives: looked up for every
@@ -782,6 +783,7 @@ class Engine:
         if result.stream_restarted:
             for seq in self.scheduler.running:
                 seq.draft_synced = 0
+            self._tell_draft_report()
         if result.reply is None:
             log.warning("step %d decodes without speculation: %s", self._step, result.error)
             return False
@@ -999,6 +1001,17 @@ class Engine:
             seq.span.end()
         if seq.draft_synced:
             self._pending_releases.append(seq.seq_id)
+
+    def _tell_draft_report(self) -> None:
+        """The draft stream was reopened: when the draft's start-up report changed (it was
+        restarted), every gateway stream gets the new one, for its GetStatus."""
+        report = self.draft.report
+        if report is None or report == self._draft_report:
+            return
+        self._draft_report = report
+        event = target_pb2.ServeEvent(draft_report=report)
+        for stream in list(self._streams.values()):  # (open_stream may add one)
+            stream.outbox.put(event)
 
     def _flush(self) -> None:
         """Hand the pending events to their streams' outboxes.

@@ -52,7 +52,14 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
 
     def GetInfo(self, request: target_pb2.GetTargetInfoRequest,
                 context: grpc.ServicerContext) -> target_pb2.TargetInfo:
-        return self.info
+        """The target's info; its draft_report is the draft's latest (a restarted draft's)."""
+        report = self.engine.draft.report if self.engine.draft is not None else None
+        if report is None or report == self.info.draft_report:
+            return self.info
+        info = target_pb2.TargetInfo()
+        info.CopyFrom(self.info)
+        info.draft_report.CopyFrom(report)
+        return info
 
     def GetInitReport(self, request: common_pb2.GetInitReportRequest,
                       context: grpc.ServicerContext) -> common_pb2.InitReport:

@@ -81,7 +81,6 @@ class ModelSpec(NamedTuple):
 class Draft(NamedTuple):
     link: DraftLink
     capture: tuple[int, ...]  # target layer inputs to capture for the draft (empty: none)
-    report: common_pb2.InitReport
 
 
 class Placement(NamedTuple):
@@ -273,7 +272,8 @@ def connect_draft(cfg: TargetConfig, spec: ModelSpec, cache: KVCache) -> Detaile
         held = f" ({cache.hold_features(width, cache.data.dtype) / 2**20:.1f} MiB)"
         held += (f", sent through shared memory {link.feature_memory}" if link.feature_memory
                  else ", sent on the stream")
-    draft = Draft(link, capture, link.init_report())
+    link.init_report()  # (kept: TargetInfo.draft_report)
+    draft = Draft(link, capture)
     return Detailed(draft, f"{info.kind} draft {info.model_name}, capture layer inputs "
                     f"{capture}{held}")
 
@@ -572,7 +572,7 @@ def start_rank0(cfg: TargetConfig, startup: Startup, parts: RankParts, server: S
         tokenizer_sha256=spec.tokenizer_sha256, eos_token_ids=list(spec.config.eos_token_ids),
         max_context=cfg.max_context, max_running=cfg.max_running, has_draft=draft is not None,
         default_shape=default_shape, tp_size=where.size,
-        draft_report=draft.report if draft else None,
+        draft_report=draft.link.report if draft else None,
         draft_model_name=draft.link.info.model_name if draft else "")
     servicer = TargetServicer(engine, info, startup.report)
     server = startup.step("start_server", start_server, server, servicer)

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import HealthServicer
 
 from splitspec.grpc_server import CHANNEL_OPTIONS
-from splitspec.v1 import draft_pb2, draft_pb2_grpc
+from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 from target_service import draft_client
 from target_service.draft_client import DraftLink
 
@@ -140,12 +140,14 @@ BREAK = 999
 
 class Restarting(draft_pb2_grpc.DraftServicer):
     """A draft whose stream breaks on a request of step BREAK (as when its process
-    dies); its health, DraftInfo and AttachFeatureMemory are the test's to set, and
+    dies); its health, DraftInfo, start-up report and AttachFeatureMemory are the test's
+    to set, and
     AttachFeatureMemory waits for ``release`` (a slow attach: a page-locked segment, a
     draft that answers slowly)."""
 
     def __init__(self) -> None:
         self.info = draft_pb2.DraftInfo(kind="eagle3", model_name="head", needs_hidden_states=True)
+        self.report = common_pb2.InitReport(service="draft", ok=True, started_at_unix_s=1.0)
         self.release = threading.Event()
         self.release.set()
         self.attaching = threading.Event()
@@ -159,6 +161,9 @@ class Restarting(draft_pb2_grpc.DraftServicer):
 
     def GetInfo(self, request, context):
         return self.info
+
+    def GetInitReport(self, request, context):
+        return self.report
 
     def AttachFeatureMemory(self, request, context):
         self.attaching.set()
@@ -198,12 +203,16 @@ def test_a_broken_stream_is_reopened_in_the_background(restarting, caplog):
     asks nothing of it (DraftLink.down). A thread waits for the draft to answer SERVING,
     then makes and attaches the next stream's feature memory, however long that takes,
     without holding up a send; the next send opens the stream on it, and says the draft
-    lost its sequences (stream_restarted)."""
+    lost its sequences (stream_restarted). The link keeps the restarted draft's start-up
+    report (the target's GetInfo and its gateway streams show it)."""
     link, draft, health = restarting
     caplog.set_level(logging.INFO, logger="target_service.draft_client")
     assert link.exchange(draft_pb2.DraftRequest(step=1)).reply is not None
     assert link.feature_memory and not link.down and draft.attached == 1
+    assert link.report is None  # (connect_draft asks for it: init_report)
+    assert link.init_report() == link.report == draft.report
     health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)  # restarting: still loading
+    draft.report = common_pb2.InitReport(service="draft", ok=True, started_at_unix_s=2.0)
     draft.release.clear()
     draft.attaching.clear()
     broken = link.exchange(draft_pb2.DraftRequest(step=BREAK))
@@ -228,6 +237,7 @@ def test_a_broken_stream_is_reopened_in_the_background(restarting, caplog):
     result = link.exchange(draft_pb2.DraftRequest(step=4))
     assert result.reply is not None and result.reply.step == 4 and result.stream_restarted
     assert draft.attached == 2 and link.feature_memory  # a new segment (the old one closed)
+    assert link.report.started_at_unix_s == 2.0  # the restarted draft's
     assert link.exchange(draft_pb2.DraftRequest(step=5)).stream_restarted is False
     assert any("SERVING again" in m for m in caplog.messages)
 

@@ -126,6 +126,7 @@ def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts, flags):
 
     try:
         expected = [list(generate(t, common_pb2.SPECULATION_MODE_OFF).token_ids) for t in PROMPTS]
+        first = stub.GetStatus(gateway_pb2.GetStatusRequest(), timeout=10).draft
         with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
             running = [pool.submit(generate, t, common_pb2.SPECULATION_MODE_ON) for t in PROMPTS]
             time.sleep(0.5)
@@ -149,6 +150,12 @@ def test_draft_killed_mid_generation_then_restarted(tmp_path, prompts, flags):
             if again.spec.verify_steps > 0:
                 break
             assert time.monotonic() < deadline, "speculation did not resume after the restart"
+        # GetStatus, and the target's info, show the restarted draft's start-up report
+        status = stub.GetStatus(gateway_pb2.GetStatusRequest(), timeout=10)
+        assert status.draft.ok and status.draft.started_at_unix_s > first.started_at_unix_s
+        info = target_pb2_grpc.TargetStub(grpc.insecure_channel(target.address)).GetInfo(
+            target_pb2.GetTargetInfoRequest(), timeout=10)
+        assert info.draft_report == status.draft
     finally:
         for service in (gateway, target, draft):
             service.stop()

@@ -392,6 +392,7 @@ class ChainDraft:
     step it was sent in."""
 
     down = False  # the stream never breaks
+    report = None  # (DraftLink.report: the draft's start-up report)
 
     def __init__(self) -> None:
         self.engine: Engine | None = None
@@ -751,14 +752,20 @@ def admit(request_id: int, prompt: list[int], max_new: int) -> target_pb2.ServeR
         speculation=ON))
 
 
-def deltas_by_step(outbox: queue.Queue, requests: int) -> tuple[dict, dict]:
+def deltas_by_step(outbox: queue.Queue, requests: int,
+                   reports: list | None = None) -> tuple[dict, dict]:
     """Until ``requests`` requests finished: each request's (step, tokens, finish) deltas, in
-    the order they came, and each step's stats."""
+    the order they came, and each step's stats; the draft start-up reports the stream was
+    told of go into ``reports``."""
     deltas: dict[int, list[tuple[int, list[int], int]]] = {}
     stats: dict[int, target_pb2.StepStats] = {}
     finished = 0
     while finished < requests:
         event = outbox.get(timeout=10)
+        if event.HasField("draft_report"):
+            assert reports is not None, event
+            reports.append(event.draft_report)
+            continue
         stats[event.stats.step] = event.stats
         for d in event.deltas:
             deltas.setdefault(d.request_id, []).append(
@@ -869,7 +876,8 @@ def test_while_the_draft_owes_a_late_reply_the_steps_neither_wait_nor_ask():
     then catches it up on what they committed. Output unchanged; with the early exchange
     too. Without skip_owed (warmup) the steps go on asking."""
     for early in (False, True):
-        caught_up = through_steps_without_the_draft(HeldDraft(), early, skip_owed=True)
+        caught_up, reports = through_steps_without_the_draft(HeldDraft(), early, skip_owed=True)
+        assert reports == []  # the stream never broke
         # from where the last answered request left the draft (the prompt and the first
         # token): step 2's 3 tokens, whose request timed out, and steps 3 to 5's
         assert caught_up.start == 4 and len(caught_up.new_tokens) == 6, early
@@ -883,16 +891,19 @@ def test_while_the_draft_owes_a_late_reply_the_steps_neither_wait_nor_ask():
     assert {4, 5} <= asked and stats[4].speculated, sorted(asked)
 
 
-def through_steps_without_the_draft(draft: ChainDraft, early: bool,
-                                    **limits: bool) -> draft_pb2.SeqDraftInput:
+def through_steps_without_the_draft(draft: ChainDraft, early: bool, **limits: bool
+                                    ) -> tuple[draft_pb2.SeqDraftInput, list[common_pb2.InitReport]]:
     """Serve one 20-token request with ``draft``, which fails the target's step 3 and cannot
     be asked at steps 4 and 5: the output is unchanged, those steps ask nothing, steps 3-5
     decode without speculation and say why (StepStats.draft_unavailable: the adaptive policy
-    learns nothing from them), and step 6 speculates again. Returns what step 6 sent."""
+    learns nothing from them), and step 6 speculates again; a stream reopened for it tells
+    the gateway's stream the draft's start-up report when it changed. Returns what step 6
+    sent, and the reports the stream was told."""
+    reports: list[common_pb2.InitReport] = []
     with running_engine(NullRunner(), PagePool(8), draft, CHAIN, early, **limits) as engine:
         stream, outbox = engine.open_stream()
         engine.submit(stream, admit(1, [3, 1, 4], 20))
-        deltas, stats = deltas_by_step(outbox, 1)
+        deltas, stats = deltas_by_step(outbox, 1, reports)
     assert [t for _, chunk, _ in deltas[1] for t in chunk] == [7] * 20
     asked = {step for step, _ in draft.sent}
     assert {4, 5}.isdisjoint(asked) and 6 in asked, (early, sorted(asked))
@@ -901,7 +912,7 @@ def through_steps_without_the_draft(draft: ChainDraft, early: bool,
     assert [stats[n].draft_unavailable for n in range(2, 8)] == [False, True, True, True,
                                                                  False, False], early
     (caught_up,) = [r.seqs[0] for _, r in draft.sent if r.step == 6]
-    return caught_up
+    return caught_up, reports
 
 
 class BreakingDraft(ChainDraft):
@@ -912,6 +923,13 @@ class BreakingDraft(ChainDraft):
     def __init__(self) -> None:
         super().__init__()
         self.broken = False
+        self.report = common_pb2.InitReport(service="draft", ok=True, started_at_unix_s=1.0)
+        self.restarted = common_pb2.InitReport(service="draft", ok=True, started_at_unix_s=2.0)
+
+    def send(self, request: draft_pb2.DraftRequest, features: Features | None = None) -> Sent:
+        if request.step == 6:  # the restarted draft's, kept before the stream reopens
+            self.report = self.restarted
+        return super().send(request, features)
 
     def receive(self, sent: Sent) -> ExchangeResult:
         result = super().receive(sent)
@@ -933,8 +951,10 @@ def test_while_the_draft_stream_is_down_the_steps_build_no_request():
     request after it catches the draft up from the start. Output unchanged; with the early
     exchange too."""
     for early in (False, True):
-        caught_up = through_steps_without_the_draft(BreakingDraft(), early)
+        draft = BreakingDraft()
+        caught_up, reports = through_steps_without_the_draft(draft, early)
         assert caught_up.start == 0 and list(caught_up.new_tokens[:3]) == [3, 1, 4], early
+        assert reports == [draft.restarted], reports  # once, when the stream reopened
 
 
 class CatchingUpDraft(ChainDraft):

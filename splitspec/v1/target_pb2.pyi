@@ -159,11 +159,13 @@ class StepStats(_message.Message):
     def __init__(self, step: _Optional[int] = ..., batch_size: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., speculated: _Optional[bool] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., draft_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., total_s: _Optional[float] = ..., waiting: _Optional[int] = ..., draft_compute_s: _Optional[float] = ..., period_s: _Optional[float] = ..., committed_tokens: _Optional[int] = ..., graphed: _Optional[bool] = ..., tree_budget: _Optional[int] = ..., first_child_accepted: _Optional[_Iterable[int]] = ..., forward_launch_s: _Optional[float] = ..., forward_launch_cpu_s: _Optional[float] = ..., draft_input_tokens: _Optional[int] = ..., finished_prompt_tokens: _Optional[int] = ..., finished_generated_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., held_sequences: _Optional[int] = ..., catching_up: _Optional[bool] = ..., draft_unavailable: _Optional[bool] = ...) -> None: ...
 
 class ServeEvent(_message.Message):
-    __slots__ = ("deltas", "stats", "target_stopping")
+    __slots__ = ("deltas", "stats", "target_stopping", "draft_report")
     DELTAS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
     TARGET_STOPPING_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_REPORT_FIELD_NUMBER: _ClassVar[int]
     deltas: _containers.RepeatedCompositeFieldContainer[TokenDelta]
     stats: StepStats
     target_stopping: bool
-    def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ..., target_stopping: _Optional[bool] = ...) -> None: ...
+    draft_report: _common_pb2.InitReport
+    def __init__(self, deltas: _Optional[_Iterable[_Union[TokenDelta, _Mapping]]] = ..., stats: _Optional[_Union[StepStats, _Mapping]] = ..., target_stopping: _Optional[bool] = ..., draft_report: _Optional[_Union[_common_pb2.InitReport, _Mapping]] = ...) -> None: ...
