@@ -826,6 +826,28 @@ def test_a_bucket_the_batch_only_passes_through_follows_the_one_it_stays_in():
     assert wandering.buckets[32].decided and wandering.buckets[64].decided
 
 
+def test_a_probe_starts_only_where_the_batch_stays_long_enough_to_hold_it():
+    """A benchmark's runs at 64 streams: 300 steps at 64 sequences, then the drain, 9 steps
+    at 30, 3 at 12 and 2 at 5. The bucket of 17-32 is not passed through (9 steps a visit),
+    but a probe there, its first step and 8 more, fits a visit only if it starts at the
+    visit's first step: begun later, it is cut short and resumes at the next visit, each
+    time after off's steps at 64 (a catch-up on a real target). So it starts only where the
+    visits so far leave room for it, and there it never starts (the bucket follows off);
+    where visits last 40 steps, it still probes."""
+    def resumed(policy: AdaptivePolicy, batches: list[int]) -> int:
+        ran = batches_run(policy, batches, 30 * len(batches))
+        return sum(on and batch == 30 and last != 30
+                   for (batch, on), (last, _) in zip(ran[1:], ran, strict=False))
+
+    drain = [64] * 300 + [30] * 9 + [12] * 3 + [5] * 2
+    assert resumed(AdaptivePolicy([DEFAULT]), drain) == 0
+    assert resumed(AdaptivePolicy([DEFAULT], passing=False), drain) > 0  # as before
+    longer = AdaptivePolicy([DEFAULT])
+    ran = batches_run(longer, [64] * 300 + [30] * 40, 30 * 340)
+    assert any(on for batch, on in ran[340:] if batch == 30)  # its probes
+    assert longer.buckets[32].decided and not speculates(longer, 30)
+
+
 def closed_loop(policy: AdaptivePolicy | types.SimpleNamespace, costs: dict[int, tuple[float, float]],
                 report_in_flight: bool, streams: int = 64, tokens: int = 48, out: int = 2,
                 steps: int = 6000, seed: int = 0) -> tuple[dict[int, int], float]:
