@@ -22,9 +22,11 @@ gateway does), runs the policies ``--modes`` names (by default these four) inter
   per-round ratio to adaptive in the table.
 
 Each concurrency starts with ``--warmup`` untimed OFF, ON and adaptive (and variant) runs (adaptive
-learns in them, as a long-running gateway would have; with ``--min-run-s``, one more untimed
-run of each policy once the timed runs' size is known, since a warm-up of one wave of 64
-requests can end before the policy has judged anything): the first
+learns in them, as a long-running gateway would have; with ``--min-run-s``, untimed runs of
+each policy once the timed runs' size is known, until one in which it settled (at most
+``--policy-warmup``, :func:`settled`), since a warm-up of one wave of 64 requests can end
+before the policy has judged anything, and at 2-8 streams on 2 CPU cores one run of that
+size ended before it had left the tree it starts with): the first
 runs on a fresh target are slow (2 CPU cores, 64 streams: OFF 12.4 s then
 7.0 s for the same work), and a warm-up per concurrency covers new batch sizes
 too. Medians are reported; a ratio is the median of the per-repeat ratios
@@ -119,7 +121,7 @@ from bench_speculation import (
 )
 from simulate_policy import parse_variant
 
-from gateway.policy import AdaptivePolicy, adaptive_shapes, static_policy
+from gateway.policy import AdaptivePolicy, adaptive_shapes, bucket_of, static_policy
 from splitspec.builtin import BUILTIN_TARGET
 from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
 from splitspec.replay import record, write_records
@@ -128,7 +130,7 @@ from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, targ
 MODES = ("OFF", "ON", "chain", "static", "adaptive", "variant")
 DEFAULT_MODES = ("OFF", "ON", "static", "adaptive")  # and every report's before "chain"
 WARM_MODES = ("OFF", "ON", "chain", "adaptive", "variant")  # the modes with untimed runs
-LEARNING_MODES = ("adaptive", "variant")  # with --min-run-s, one more untimed run each
+LEARNING_MODES = ("adaptive", "variant")  # with --min-run-s, untimed runs until settled
 AIM = 0.97  # adaptive within 3 % of the best of OFF and ON
 INTERVAL_LEVEL = 0.9     # of the bootstrap interval around adaptive / best
 BOOTSTRAP_SAMPLES = 2000
@@ -392,6 +394,20 @@ def summarize(entry: dict[str, Any], modes: list[str] | tuple[str, ...] = DEFAUL
             "adaptive_interval": interval, "variant_adaptive": variant_adaptive}
 
 
+def policy_warmup_text(report: dict[str, Any]) -> str:
+    """What the header says of the policies' untimed runs at the timed size."""
+    most = report["settings"].get("policy_warmup")
+    if most is True or most == 1:  # (a report from before session 50 says True)
+        return "; one more untimed run of each policy at that size"
+    if not most:
+        return ""
+    took = {mode: [str(e.get("policy_warmup_runs", {}).get(mode, "?")) for e in report["results"]]
+            for mode in LEARNING_MODES if mode in report["settings"]["modes"]}
+    runs = "; ".join(f"{mode} {', '.join(counts)}" for mode, counts in took.items())
+    return (f"; then untimed runs of each policy at that size until one in which it settled "
+            f"(at most {most}; runs taken at each concurrency: {runs})")
+
+
 def acceptance_line(report: dict[str, Any]) -> str:
     """ON's accepted draft tokens per verify step over the concurrencies (and, for the replay
     draft, what its corrupt rate should give and how many trees missed); '' when unknown."""
@@ -436,8 +452,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"each concurrency" + (f"; timed runs sized to last at least {settings['min_run_s']:g} s "
                                "at the fastest mode's warm-up rate" if settings.get("min_run_s")
                                else "")
-        + ("; one more untimed run of each policy at that size" if settings.get("policy_warmup")
-           else "") + "." + acceptance_line(report),
+        + policy_warmup_text(report) + "." + acceptance_line(report),
         "",
     ]
     names = {"OFF": "OFF", "ON": "ON", "chain": "chain 3", "static": f"static (<={threshold})",
@@ -583,6 +598,15 @@ def untimed_run(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], leng
     return stats.tokens_per_s
 
 
+def settled(policy: AdaptivePolicy, concurrency: int, modes_before: list[int]) -> bool:
+    """Whether a policy's untimed run at ``concurrency`` left it settled: no bucket changed
+    mode in it (``modes_before``: each bucket's mode when it began), and the bucket of that
+    many sequences has judged a probe of every mode it does not run."""
+    bucket = policy.buckets[bucket_of(concurrency)]
+    return ([b.mode for b in policy.buckets.values()] == modes_before
+            and all(bucket.ratios[m] for m in range(len(policy.modes)) if m != bucket.mode))
+
+
 def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
           args: argparse.Namespace, report: dict[str, Any],
           draft: draft_pb2_grpc.DraftStub | None = None) -> None:
@@ -633,12 +657,23 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                   f"{args.min_run_s:g} s at {fastest:.1f} tok/s)", file=sys.stderr, flush=True)
             # A policy's warm-up of one wave can end before it judged anything where the batch
             # is large (64 streams on an H200: 37 steps, no probe judged, and the first timed
-            # run began with 7 steps of the tree, 0.7x plain decoding there): one more untimed
-            # run of each policy, as long as a timed one.
+            # run began with 7 steps of the tree, 0.7x plain decoding there), and one run as
+            # long as a timed one was not enough at 2-8 streams on 2 CPU cores (the first
+            # timed run of adaptive still speculated on 59-91 % of its steps, at 0.78-0.92 of
+            # off): untimed runs of each policy, as long as a timed one, until it settled.
+            entry["policy_warmup_runs"] = {}
             for mode in LEARNING_MODES:
-                if mode in modes:
-                    untimed_run(stub, prompts, lengths, runs[mode], concurrency, mode,
+                if mode not in modes:
+                    continue
+                policy, taken = runs[mode], 0
+                while taken < args.policy_warmup:
+                    before = [b.mode for b in policy.buckets.values()]
+                    untimed_run(stub, prompts, lengths, policy, concurrency, mode,
                                 args.step_trace, start)
+                    taken += 1
+                    if settled(policy, concurrency, before):
+                        break
+                entry["policy_warmup_runs"][mode] = taken
         for repeat in range(args.repeats):
             for mode in round_order(modes, repeat, args.rotate):  # interleaved: drift hits all
                 trees, misses = draft_counts(draft)
@@ -798,6 +833,11 @@ def main(argv: list[str] | None = None) -> int:
                              "same order every round, as every sweep before session 45 ran)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed OFF, ON and adaptive runs at each concurrency before the timed ones (adaptive learns in them)")
+    parser.add_argument("--policy-warmup", type=int, default=3,
+                        help="with --min-run-s: untimed runs of each policy at the timed runs' "
+                             "size, until one in which it settled (no bucket switched, and the "
+                             "concurrency's bucket had judged every other mode), at most this "
+                             "many (1: one run, as every sweep before session 50 ran)")
     parser.add_argument("--out-md", type=Path, help="write the markdown table here")
     parser.add_argument("--out-json", type=Path, help="write the raw numbers here")
     parser.add_argument("--out-png", type=Path, help="write the plot here (needs matplotlib)")
@@ -814,9 +854,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_prompts and args.num_prompts < max(args.concurrency):
         parser.error(f"--num-prompts {args.num_prompts} is below the concurrency "
                      f"{max(args.concurrency)}: the batch could never fill")
-    if min(args.static_threshold, args.warmup) < 0 or min(args.repeats, args.max_new_tokens) < 1:
-        parser.error("--static-threshold and --warmup must be >= 0, --repeats and "
-                     "--max-new-tokens >= 1")
+    if min(args.static_threshold, args.warmup) < 0 or min(
+            args.repeats, args.max_new_tokens, args.policy_warmup) < 1:
+        parser.error("--static-threshold and --warmup must be >= 0, --repeats, "
+                     "--max-new-tokens and --policy-warmup >= 1")
     if not 0 <= args.new_tokens_spread <= 1:  # NaN fails too
         parser.error(f"--new-tokens-spread must be in [0, 1], got {args.new_tokens_spread}")
     if args.min_run_s < 0 or (args.min_run_s and not args.warmup):
@@ -861,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
                      "new_tokens_spread": args.new_tokens_spread,
                      "repeats": args.repeats, "warmup": args.warmup, "min_run_s": args.min_run_s,
                      "rotate": args.rotate,
-                     "policy_warmup": bool(args.min_run_s and args.warmup),
+                     "policy_warmup": args.policy_warmup if args.min_run_s and args.warmup else 0,
                      "concurrency": args.concurrency, "modes": args.modes,
                      "random_weights": args.random_8b, "max_context": args.max_context or None,
                      "replay_corrupt_rate": args.replay_corrupt_rate if replay else None,

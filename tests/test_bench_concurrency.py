@@ -13,6 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_concurrency as bc  # bench/ is a script folder, not a package
 
+from gateway.policy import AdaptivePolicy, adaptive_shapes
+from splitspec.v1 import common_pb2, target_pb2
+from target_service.engine import shape_for
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -274,12 +278,16 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         for mode, rates in entry["tokens_per_s"].items():
             assert round(rates[0] * entry["wall_s"][mode][0]) == work, mode
     runs = [json.loads(line) for line in trace.read_text().splitlines()]  # this sweep's only
-    # the warm-up, then (runs sized by time) adaptive once more, untimed, then the timed runs
-    order = [("OFF", -1), ("ON", -1), ("adaptive", -1), ("adaptive", -1), ("OFF", 0), ("ON", 0),
-             ("adaptive", 0)]
+    # the warm-up, then (runs sized by time) adaptive again, untimed, until it settled (at
+    # most --policy-warmup 3 runs), then the timed runs
+    taken = [e["policy_warmup_runs"]["adaptive"] for e in report["results"]]
+    assert all(1 <= n <= 3 for n in taken), taken
+    orders = [[("OFF", -1), ("ON", -1), ("adaptive", -1), *[("adaptive", -1)] * n, ("OFF", 0),
+               ("ON", 0), ("adaptive", 0)] for n in taken]
     assert [(r["concurrency"], r["mode"], r["run"]) for r in runs] == [
-        (c, mode, run) for c in (1, 2) for mode, run in order]
-    for run, entry in zip(runs[4::7] + runs[5::7], report["results"] * 2, strict=True):
+        (c, mode, run) for c, order in zip((1, 2), orders, strict=True) for mode, run in order]
+    timed = [r for r in runs if r["run"] == 0 and r["mode"] in ("OFF", "ON")]
+    for run, entry in zip(timed, [e for e in report["results"] for _ in (0, 1)], strict=True):
         fields = run["fields"]
         steps = [dict(zip(fields, row, strict=True)) for row in run["steps"]]
         speculated = {s["speculated"] for s in steps if s["batch_size"]}
@@ -300,7 +308,8 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     header = table.read_text().splitlines()[0]
     assert f"{name} draft" in header
     assert "x 4-8 new tokens" in header and settings["new_tokens_spread"] == 0.5
-    assert "one more untimed run of each policy at that size" in header
+    assert ("then untimed runs of each policy at that size until one in which it settled (at "
+            f"most 3; runs taken at each concurrency: adaptive {taken[0]}, {taken[1]})") in header
     assert "interleaved (the order rotated each round)" in header and settings["rotate"]
     assert f"{depth:.2f} expected at corrupt 0.00; replay misses in timed runs: 0 of" in header
 
@@ -351,3 +360,23 @@ def test_run_figures_count_mixed_steps_and_time_the_steady_state_apart():
     assert bc.steady_tokens_per_s(stats) == pytest.approx((60 + 58 + 1) / 0.04)
     assert bc.mean_decode_batch(RunStats(steps=[step(1, 0, 64)])) == 0.0
     assert bc.steady_tokens_per_s(RunStats(steps=[step(1, 0, 64), step(2, 1, 0, 1)])) == 0.0
+
+
+def test_a_policy_is_settled_once_a_run_switched_nothing_and_its_bucket_judged_every_mode():
+    """bench_concurrency.settled: the policy's untimed runs at the timed size go on until
+    one changed no bucket's mode and the concurrency's bucket had judged a probe of each
+    mode it does not run (the tree it starts with, and the chain, against off here)."""
+    policy = AdaptivePolicy(adaptive_shapes("", common_pb2.DraftShape(
+        num_draft_tokens=8, topk=4, num_steps=4)))
+    before = [b.mode for b in policy.buckets.values()]
+    assert not bc.settled(policy, 4, before)  # nothing judged yet
+    for _ in range(3000):  # off: a token in 5 ms; the tree and the chain 2 in 20 ms
+        budget = shape_for(policy.policy, 4, policy.modes[1]).num_draft_tokens
+        policy.observe(target_pb2.StepStats(
+            batch_size=4, speculated=budget > 0, tree_budget=budget,
+            period_s=0.02 if budget else 0.005, total_s=0.02 if budget else 0.005,
+            committed_tokens=8 if budget else 4))
+    assert policy.buckets[4].mode == 0
+    assert not bc.settled(policy, 4, before)  # bucket 4 switched to off since
+    assert bc.settled(policy, 4, [b.mode for b in policy.buckets.values()])
+    assert not bc.settled(policy, 64, [b.mode for b in policy.buckets.values()])  # none there
