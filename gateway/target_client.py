@@ -249,9 +249,9 @@ class TargetClient:
             log.warning("the target at %s is stopping: new requests get UNAVAILABLE until it is "
                         "back; the %d in flight go on", self._peer.address, in_flight)
             self._listener.target_down()
-        if event.HasField("draft_report"):  # the target reconnected to its draft
+        if event.HasField("draft_report"):  # the target reconnected to a restarted draft
             self._peer.info.draft_report.CopyFrom(event.draft_report)
-            log.info("the target's draft stream was reopened; its draft started at %s",
+            log.info("the target reconnected to its draft, restarted at %s",
                      time.strftime("%Y-%m-%d %H:%M:%S",
                                    time.localtime(event.draft_report.started_at_unix_s)))
         for delta in event.deltas:
