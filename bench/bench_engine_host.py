@@ -103,6 +103,7 @@ class StandInDraft:
     0's children 0 and 5: the argmax (0) accepts nodes 2 and 3, which the compaction moves."""
 
     down = False  # its stream never breaks
+    report = None  # (DraftLink.report: no start-up report to tell)
 
     def __init__(self) -> None:
         self._replies: list[draft_pb2.DraftReply] = []
