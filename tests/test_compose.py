@@ -121,7 +121,7 @@ def test_the_compose_schema_accepts_the_stack(stack):
 # ---- references and health checks ----------------------------------
 
 SERVICE_KEYS = {"image", "build", "command", "environment", "depends_on", "deploy", "healthcheck",
-                "ports", "ipc", "shm_size", "volumes", "stop_grace_period"}
+                "ports", "ipc", "shm_size", "volumes", "stop_grace_period", "restart"}
 CONDITIONS = {"service_started", "service_healthy", "service_completed_successfully"}
 
 
@@ -151,6 +151,10 @@ def test_structure_and_references(stack):
         assert spec["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector:4317"
         assert spec["environment"]["OTEL_SERVICE_NAME"] == f"splitspec-{name}"
     assert services["target"]["healthcheck"]["start_period"] in ("300s", "600s")
+    for name in ("gateway", "target", "draft"):  # a service that dies comes back (the target
+        # reconnects to the draft, the gateway to the target), but not forever: one whose
+        # start-up fails exits at once, each time
+        assert re.fullmatch(r"on-failure:[1-9]", services[name]["restart"]), name
 
 
 @pytest.mark.parametrize("stack", ["gpu", "cpu"])
