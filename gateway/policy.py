@@ -346,7 +346,8 @@ class AdaptivePolicy:
     steps without speculation. Every bucket starts with the first budget. A
     bucket the batch only passes through, a step or two at a time
     (:meth:`passed_through`), does not probe at all, and follows the others as
-    if it had not decided.
+    if it had not decided; in the others a probe starts only where what is left of the
+    bucket's visit can hold it (:meth:`_fits`).
     """
 
     def __init__(self, shapes: Sequence[common_pb2.DraftShape], margin: float = 0.02,
@@ -881,8 +882,12 @@ class AdaptivePolicy:
         if not self.passing or len(self._visits) < VISITS // 4:
             return False
         stay = self._stay(size)
-        return 0 < stay < self.probe_steps and any(
-            self._stay(other) >= self.probe_steps for other in self._visit_counts)
+        return 0 < stay < self.probe_steps and self._stays_elsewhere(size, self.probe_steps)
+
+    def _stays_elsewhere(self, size: int, steps: int) -> bool:
+        """Whether the batch stays ``steps`` steps a visit, on average, in a bucket other
+        than ``size`` (else it wanders, and no bucket is told from one passed through)."""
+        return any(self._stay(other) >= steps for other in self._visit_counts if other != size)
 
     def _fits(self, size: int) -> bool:
         """Whether a probe that starts now is likely to end before the batch leaves bucket
@@ -903,7 +908,7 @@ class AdaptivePolicy:
         need = self.probe_steps + 1
         if (self._visit_counts[size] - current) / ended - self._in_visit >= need:
             return True
-        return not any(self._stay(other) >= need for other in self._visit_counts if other != size)
+        return not self._stays_elsewhere(size, need)
 
     def _follow_neighbours(self) -> None:
         """Undecided buckets take the mode of the nearest decided one (the smaller on a tie);
