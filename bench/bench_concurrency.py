@@ -101,6 +101,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from datetime import UTC, datetime
 from importlib.metadata import version
@@ -520,10 +521,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.grid(True, alpha=0.3)
     ax.legend()
     settings = report["settings"]
-    target = f"target model {settings['target_label']}\n" if settings.get("target_label") else ""
-    ax.set_title(f"Speculation policy against concurrency: {report['machine']['label']}\n"
-                 f"{target}{settings['draft']} draft, shape {'/'.join(map(str, settings['shape']))}, "
-                 f"{new_tokens_text(settings)} new tokens, {report['date'][:10]}", fontsize=10)
+    lines = [f"Speculation policy against concurrency: {report['machine']['label']}"]
+    if settings.get("target_label"):
+        lines.append(f"target model {settings['target_label']}")
+    lines.append(f"{settings['draft']} draft, shape {'/'.join(map(str, settings['shape']))}, "
+                 f"{new_tokens_text(settings)} new tokens, {report['date'][:10]}")
+    # (wrapped: a replay draft's and a random target's labels ran past the figure's edge)
+    ax.set_title("\n".join(textwrap.fill(line, 80) for line in lines), fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
