@@ -45,7 +45,9 @@ import bisect
 import gzip
 import json
 import logging
+import math
 import random
+import re
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -126,6 +128,30 @@ def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], Adapti
         logger.removeHandler(handler)
         logger.setLevel(level)
     return lines
+
+
+JUDGED = re.compile(r"a probe of (\S+) judged at ([0-9.]+) of (\S+) ")
+
+
+def probe_spread(lines: list[str]) -> list[str]:
+    """What :func:`replay`'s lines say of the probes' noise: per mode probed and mode in use,
+    how many probes were judged, their ratios' geometric mean, and how far one probe's log
+    ratio spreads (its standard deviation); then how many switches the policy made. A switch
+    needs the mean of a mode's last PAIRS ratios to clear ``margin`` (2 %): where one probe
+    spreads by 0.1, as at 1 stream on a 2-core CPU (docs/benchmarks.md, session 51), a
+    mode 3 % behind clears it about one judgement in eight."""
+    logs: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for line in lines:
+        if found := JUDGED.search(line):
+            logs[(found[1], found[3])].append(math.log(float(found[2])))
+    out = []
+    for (probed, in_use), values in sorted(logs.items()):
+        spread = f"{statistics.stdev(values):.3f}" if len(values) > 1 else "unknown"
+        out.append(f"probes of {probed} against {in_use}: {len(values)}, mean ratio "
+                   f"{math.exp(statistics.fmean(values)):.3f}, spread of a probe's log ratio "
+                   f"{spread}")
+    switches = sum(": speculation " in line and ", was " in line for line in lines)
+    return [*out, f"switches: {switches}"]
 
 
 def batch_lines(paths: list[Path]) -> list[str]:
@@ -382,8 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay", action="store_true",
                         help="instead: feed the recorded adaptive runs, step by step, to a fresh "
                              "policy per concurrency (as the benchmark did) and print each "
-                             "judgement and switch; with the policy the target ran, its "
-                             "decisions are the recorded ones")
+                             "judgement and switch, then how far one probe's ratio spreads "
+                             "per pair of modes (probe_spread); with the policy the target "
+                             "ran, its decisions are the recorded ones")
     parser.add_argument("--unknown-cost-us", type=float, default=0.0,
                         help="the policy's unknown_cost: microseconds of draft wait a token "
                              "sent, for a budget whose own cost is not known yet (default 0)")
@@ -418,8 +445,9 @@ def main(argv: list[str] | None = None) -> int:
             if concurrency not in found:
                 parser.error(f"concurrency {concurrency}: the traces have no adaptive run")
             print(f"concurrency {concurrency}:")
-            for line in replay(args.traces, concurrency, lambda: AdaptivePolicy(
-                    adaptive_shapes("", TREE), unknown_cost=args.unknown_cost_us * 1e-6)):
+            lines = replay(args.traces, concurrency, lambda: AdaptivePolicy(
+                adaptive_shapes("", TREE), unknown_cost=args.unknown_cost_us * 1e-6))
+            for line in [*lines, *probe_spread(lines)]:
                 print(f"  {line}")
         return 0
     runs = load_runs(args.traces)

@@ -2,7 +2,9 @@
 
 import gzip
 import json
+import math
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -280,10 +282,27 @@ def test_replay_prints_judgements_and_refuses_a_concurrency_without_adaptive_run
     out = capsys.readouterr().out
     assert out.startswith("concurrency 64:\n  run -1 step 33: batch <= 64: a probe of off "
                           "judged at 1.49")
+    judged = out.count(" judged at ")  # the summary counts every judgement once
+    counted = re.findall(r"  probes of \S+ against \S+: (\d+), mean ratio", out)
+    assert judged and sum(map(int, counted)) == judged
+    assert re.search(r"\n  switches: \d+\n$", out)
     with pytest.raises(SystemExit):
         sp.main([str(SESSION38_64), "--replay", "--concurrency", "16"])
     with pytest.raises(SystemExit):
         sp.main([str(SESSION38_64), "--replay", "--unknown-cost-us", "-1"])
+
+
+def test_probe_spread_gives_each_pair_of_modes_its_probes_mean_and_spread():
+    lines = [f"run 0 step {i}: batch <= 1: a probe of off judged at {r} of 8/4/4 (1 vs 1 tok/s)"
+             for i, r in enumerate((1.1, 1 / 1.1, 1.1, 1 / 1.1))]
+    lines += ["run 1 step 5: batch <= 1: a probe of 3/1/3 judged at 0.950 of off (1 vs 1 tok/s)",
+              "run 1 step 9: batch <= 1: speculation off, was 8/4/4 (1 vs 1 tok/s per request)"]
+    spread = math.log(1.1) * math.sqrt(4 / 3)  # four log ratios of +-log 1.1
+    assert sp.probe_spread(lines) == [
+        "probes of 3/1/3 against off: 1, mean ratio 0.950, spread of a probe's log ratio unknown",
+        f"probes of off against 8/4/4: 4, mean ratio 1.000, spread of a probe's log ratio "
+        f"{spread:.3f}",
+        "switches: 1"]
 
 
 SESSION39_64 = RESULTS / "steps_8b_replay_h200_session39_ab1_head_9350253.jsonl.gz"
