@@ -49,6 +49,7 @@ import math
 import random
 import re
 import statistics
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -128,6 +129,22 @@ def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], Adapti
         logger.removeHandler(handler)
         logger.setLevel(level)
     return lines
+
+
+def observe_cost(paths: list[Path], concurrency: int, repeats: int = 3) -> float:
+    """Seconds one ``AdaptivePolicy.observe`` call takes on this machine, over the traces'
+    adaptive steps at ``concurrency`` fed to a fresh policy (the fastest of ``repeats``
+    passes; logging off): the gateway's own work each step, which on 2 CPU cores shares
+    them with the target and the draft."""
+    steps = [(stats, in_flight) for _, _, stats, in_flight in adaptive_steps(paths, concurrency)]
+    best = math.inf
+    for _ in range(repeats):
+        policy = AdaptivePolicy(adaptive_shapes("", TREE))
+        start = time.perf_counter()
+        for stats, in_flight in steps:
+            policy.observe(stats, in_flight)
+        best = min(best, (time.perf_counter() - start) / len(steps))
+    return best
 
 
 JUDGED = re.compile(r"a probe of (\S+) judged at ([0-9.]+) of (\S+) ")
@@ -411,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
                              "judgement and switch, then how far one probe's ratio spreads "
                              "per pair of modes (probe_spread); with the policy the target "
                              "ran, its decisions are the recorded ones")
+    parser.add_argument("--time-observe", action="store_true",
+                        help="with --replay: also time one AdaptivePolicy.observe call on "
+                             "these steps (the gateway's work a step)")
     parser.add_argument("--unknown-cost-us", type=float, default=0.0,
                         help="the policy's unknown_cost: microseconds of draft wait a token "
                              "sent, for a budget whose own cost is not known yet (default 0)")
@@ -449,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
                 adaptive_shapes("", TREE), unknown_cost=args.unknown_cost_us * 1e-6))
             for line in [*lines, *probe_spread(lines)]:
                 print(f"  {line}")
+            if args.time_observe:
+                print(f"  observe: {observe_cost(args.traces, concurrency) * 1e6:.1f} us a call "
+                      f"(the fastest of 3 passes)")
         return 0
     runs = load_runs(args.traces)
     for concurrency in args.concurrency or sorted(runs):

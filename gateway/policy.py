@@ -168,13 +168,13 @@ class Sample(NamedTuple):
     follows: bool = True  # the decode step before it ran the same mode
 
 
-def rate(samples: list[Sample]) -> float:
+def rate(samples: Collection[Sample]) -> float:
     """Tokens per second per sequence of samples: a step commits 1 + gain tokens per
     sequence (gain 0 without speculation)."""
     return sum(1 + s.gain for s in samples) / sum(s.period for s in samples)
 
 
-def mean_period(samples: list[Sample]) -> float:
+def mean_period(samples: Collection[Sample]) -> float:
     return sum(s.period for s in samples) / len(samples)
 
 
@@ -397,7 +397,9 @@ class AdaptivePolicy:
         self._prompt_sums = [0, 0, 0, 0, 0]
         self._last_mode: int | None = None  # the last decode step's
         self._run = 0  # decode steps in a row of the last decode step's mode
-        self._policy = self._build()
+        self._shown: tuple[int, ...] = ()  # each bucket's mode in the table last built
+        self._policy = target_pb2.SpecPolicy()
+        self._build()
 
     @property
     def policy(self) -> target_pb2.SpecPolicy:
@@ -482,11 +484,9 @@ class AdaptivePolicy:
             self._chain_gains(bucket, mode, stats)
         bucket.batches[mode].append(stats.batch_size)
         self._decide(bucket, size, stats.catching_up)
+        old = self._policy
         policy = self._build()
-        if policy == self._policy:
-            return None
-        self._policy = policy
-        return policy
+        return None if policy is old or policy == old else policy
 
     def _chain_gains(self, bucket: _Bucket, mode: int, stats: target_pb2.StepStats) -> None:
         """A step of a tree tells what each chain budget no deeper than it would have gained
@@ -649,18 +649,20 @@ class AdaptivePolicy:
             return min(max(excess * self.input_cost(mode), 0.0), first.draft)
         return min(max(first.period - mean_period(steps), 0.0), first.draft)
 
-    def _interval(self, bucket: _Bucket, mode: int) -> int:
+    def _interval(self, bucket: _Bucket, mode: int, period: float | None = None) -> int:
         """Steps of the mode in use between probes of ``mode``: ``probe_every`` times its
         step time over the mode in use's, and at least enough that what its last probe lost
         (:attr:`_Bucket.lost`) is the mode's part of ``probe_share`` (an even split between
         the modes not in use) of the time between two (a probe of the chain from off at 64
         streams on an H200 with a head's features lost 0.1-0.2 s to its catch-up, which 100
-        plain steps' 0.65 s cannot carry)."""
+        plain steps' 0.65 s cannot carry). ``period``: the mean period of the bucket's
+        window, when the caller has it."""
         if not bucket.ratios[mode]:
             return self.first_probe
         share = self.probe_share / (len(self.modes) - 1)
+        period = mean_period(bucket.window) if period is None else period
         steps = max(self.probe_every * max(bucket.costs[mode], 1.0),
-                    bucket.lost.get(mode, 0.0) / share / mean_period(bucket.window))
+                    bucket.lost.get(mode, 0.0) / share / period)
         return round(steps) << min(bucket.streaks[mode], self.max_doublings)
 
     def _decide(self, bucket: _Bucket, size: int, catching_up: bool = False) -> None:
@@ -683,14 +685,15 @@ class AdaptivePolicy:
             bucket.since[m] += 1
         if len(bucket.window) < self.min_samples or self.passed_through(size):
             return
-        due = {m: bucket.since[m] / self._interval(bucket, m) for m in others}
+        period = mean_period(bucket.window)  # (once: each mode's interval reads it)
+        due = {m: bucket.since[m] / self._interval(bucket, m, period) for m in others}
         if bucket.held is not None and self._gains_known(bucket, self.probe_steps):
             due[bucket.held] = max(due[bucket.held], 1.0)  # judged again once it may switch
         if bucket.recheck is not None and self.cost_known(bucket.mode):
             due[bucket.recheck] = max(due[bucket.recheck], 1.0)
         chosen = max(due, key=due.__getitem__)  # the most overdue (on a tie, the smaller)
         sudden = (bool(bucket.reference) and len(bucket.window) == WINDOW
-                  and rate(list(bucket.window)) < bucket.reference * (1 - self.sudden))
+                  and rate(bucket.window) < bucket.reference * (1 - self.sudden))
         if sudden or (due[chosen] >= 1 and self._fits(size)):
             bucket.probing, bucket.probe_left, bucket.probe = chosen, self.probe_steps, []
             bucket.first = bucket.back = None
@@ -958,15 +961,24 @@ class AdaptivePolicy:
                 bucket.mode = buckets[min(decided, key=lambda j: (abs(j - i), j))].mode
 
     def _build(self) -> target_pb2.SpecPolicy:
+        """The table the target applies (kept as :attr:`policy`): per bucket, its probe's
+        mode or its mode in use. Built anew only when one of those changed (each step's
+        observe asks; building the proto and comparing it was about a fifth of observe's
+        time)."""
         self._follow_neighbours()
+        shown = tuple(b.probing if b.probe_left else b.mode for b in self.buckets.values())
+        if shown == self._shown:
+            return self._policy
+        self._shown = shown
         entries: list[target_pb2.SpecPolicy.Entry] = []
-        for size, bucket in self.buckets.items():
-            shape = self.modes[bucket.probing if bucket.probe_left else bucket.mode]
+        for size, mode in zip(self.buckets, shown, strict=True):
+            shape = self.modes[mode]
             if entries and entries[-1].shape == shape:
                 entries[-1].max_batch_size = size
             else:
                 entries.append(target_pb2.SpecPolicy.Entry(max_batch_size=size, shape=shape))
-        return target_pb2.SpecPolicy(entries=entries)
+        self._policy = target_pb2.SpecPolicy(entries=entries)
+        return self._policy
 
 
 _NONE = np.empty(0)

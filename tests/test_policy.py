@@ -1059,3 +1059,18 @@ def test_noise_z_keeps_a_noisy_machine_from_switching_between_modes_that_tie():
 
     plain, guarded = switches(0.0), switches(1.0)
     assert guarded < plain / 2, (plain, guarded)
+
+
+def test_a_step_that_changes_no_buckets_mode_rebuilds_no_table():
+    """observe runs every step; the table is built anew only when a bucket's mode (or its
+    probe's) changed, and otherwise is the very one the target already has."""
+    policy = AdaptivePolicy([DEFAULT, CHAIN])
+    table = policy.policy
+    assert policy.observe(target_pb2.StepStats(
+        batch_size=1, speculated=True, tree_budget=DEFAULT.num_draft_tokens, period_s=0.01,
+        total_s=0.01, committed_tokens=3)) is None
+    assert policy._build() is table
+    policy.buckets[1].mode = 0  # off at batch 1: a new table, then kept
+    rebuilt = policy._build()
+    assert rebuilt is not table and shape_for(rebuilt, 1, DEFAULT).num_draft_tokens == 0
+    assert policy._build() is rebuilt
