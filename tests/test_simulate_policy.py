@@ -286,6 +286,8 @@ def test_replay_prints_judgements_and_refuses_a_concurrency_without_adaptive_run
     counted = re.findall(r"  probes of \S+ against \S+: (\d+), mean ratio", out)
     assert judged and sum(map(int, counted)) == judged
     assert re.search(r"\n  switches: \d+\n$", out)
+    assert sp.main([str(SESSION38_64), "--replay", "--concurrency", "64", "--time-observe"]) == 0
+    assert re.search(r"\n  switches: \d+\n  observe: \d+\.\d us a call ", capsys.readouterr().out)
     with pytest.raises(SystemExit):
         sp.main([str(SESSION38_64), "--replay", "--concurrency", "16"])
     with pytest.raises(SystemExit):
