@@ -239,13 +239,13 @@ class DraftLink:
             if status != health_pb2.HealthCheckResponse.SERVING:
                 return f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
             info = self._stub.GetInfo(draft_pb2.GetDraftInfoRequest(), timeout=self.timeout_s)
+            if info != self.info:  # (its report is not asked for: no stream will open)
+                return (f"it is now {info.kind} {info.model_name!r}, not the {self.info.kind} "
+                        f"{self.info.model_name!r} this target started with")
             report = self._stub.GetInitReport(common_pb2.GetInitReportRequest(),
                                               timeout=self.timeout_s)
         except grpc.RpcError as exc:  # down, or still starting: asked again later
             return f"{exc.code().name} {exc.details()}"
-        if info != self.info:
-            return (f"it is now {info.kind} {info.model_name!r}, not the {self.info.kind} "
-                    f"{self.info.model_name!r} this target started with")
         self.report = report
         return ""
 
