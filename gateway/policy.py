@@ -485,8 +485,8 @@ class AdaptivePolicy:
         bucket.batches[mode].append(stats.batch_size)
         self._decide(bucket, size, stats.catching_up)
         old = self._policy
-        policy = self._build()
-        return None if policy is old or policy == old else policy
+        policy = self._build()  # (a new table only when a bucket's shown mode changed)
+        return None if policy is old else policy
 
     def _chain_gains(self, bucket: _Bucket, mode: int, stats: target_pb2.StepStats) -> None:
         """A step of a tree tells what each chain budget no deeper than it would have gained
