@@ -21,8 +21,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -128,6 +129,43 @@ class Probes:
         return self.policy
 
 
+class Outbox:
+    """The requests of one Serve stream, as gRPC's thread takes them (iterate it), and a way to
+    wait until that thread has taken every one put so far (:meth:`wait_sent`).
+
+    The benchmark plays the clients and the gateway in one process: a client's next request
+    is put here, and the policy's ``observe`` of the step runs next on the same thread. gRPC's
+    thread needs the GIL to take the request and send it, so it waited for observe. The
+    target prefills a prompt that arrives while a step waits for the draft (about 1 ms with
+    the replay draft) in that step; a policy that never left the tree got the next request
+    into that step 14-17 points less often than ON did on this CPU (27-37 in the H100's
+    traces of session 51), and as often without observe (docs/benchmarks.md, session 52). A
+    client in its own process does not wait for the gateway's policy code that way, so the
+    benchmark's requests leave before observe runs (in every mode alike)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue[target_pb2.ServeRequest | None] = queue.Queue()
+        self._drained = threading.Event()
+
+    def put(self, request: target_pb2.ServeRequest | None) -> None:
+        self._drained.clear()
+        self._queue.put(request)
+
+    def wait_sent(self, timeout_s: float = 0.01) -> None:
+        """Return once gRPC's thread has taken every request put and asked for the next (it
+        does once it has handed the last to the transport), or after ``timeout_s``."""
+        self._drained.wait(timeout_s)
+
+    def __iter__(self) -> Iterator[target_pb2.ServeRequest]:
+        while True:
+            if self._queue.empty():
+                self._drained.set()
+            request = self._queue.get()
+            if request is None:
+                return
+            yield request
+
+
 def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_new: int | list[int],
                shape: tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | Probes | None,
                concurrency: int) -> RunStats:
@@ -138,7 +176,7 @@ def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_n
     lengths = max_new if isinstance(max_new, list) else [max_new] * len(prompts)
     if len(lengths) != len(prompts):
         raise ValueError(f"{len(lengths)} lengths for {len(prompts)} prompts")
-    requests: queue.Queue = queue.Queue()
+    requests = Outbox()
     stats = RunStats()
     mode = common_pb2.SPECULATION_MODE_OFF
     adaptive = shape if isinstance(shape, AdaptivePolicy | Probes) else None
@@ -169,7 +207,7 @@ def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_n
         admit_next()
     done = 0
     start = time.perf_counter()
-    events = stub.Serve(iter(requests.get, None))
+    events = stub.Serve(iter(requests))
     seen_steps = set()
     for event in events:
         ended = 0
@@ -184,16 +222,19 @@ def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_n
                 stats.request_s.append(now - sent[delta.request_id])
                 ended += 1
         done += ended
-        if event.stats.step not in seen_steps:  # after its final deltas, as the gateway
+        in_flight = len(prompts) - len(pending) - done  # after its final deltas, as the gateway
+        admitted = min(ended, len(pending))  # the clients' next requests, sent before the
+        for _ in range(admitted):             # policy sees the step (Outbox)
+            admit_next()
+        if admitted:
+            requests.wait_sent()
+        if event.stats.step not in seen_steps:
             seen_steps.add(event.stats.step)
-            in_flight = len(prompts) - len(pending) - done
             stats.steps.append(event.stats)
             stats.in_flight.append(in_flight)
             changed = adaptive.observe(event.stats, in_flight) if adaptive is not None else None
             if changed is not None:
                 requests.put(target_pb2.ServeRequest(policy=changed))
-        for _ in range(min(ended, len(pending))):  # the clients' next requests
-            admit_next()
         if done == len(prompts):
             break
     stats.wall_s = time.perf_counter() - start

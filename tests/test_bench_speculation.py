@@ -4,6 +4,8 @@ them from the time between steps."""
 
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +81,34 @@ def test_probes_turn_the_tree_on_for_a_few_steps_after_every_run_of_plain_ones()
     assert probes.policy == target_pb2.SpecPolicy()
     assert probes.observe(target_pb2.StepStats(batch_size=1)) is None
     assert [e.shape for e in probes.observe(target_pb2.StepStats(batch_size=1)).entries] == [tree]
+
+
+def test_the_outbox_tells_when_grpcs_thread_has_taken_every_request():
+    """Outbox.wait_sent returns once the consumer (gRPC's thread in a run) has taken every
+    request put and asked for the next, and after its timeout when nothing takes them; the
+    consumer gets them in order and stops at None."""
+    outbox = bs.Outbox()
+    taken: list = []
+    gate = threading.Event()
+
+    def consume() -> None:
+        for request in outbox:
+            gate.wait()  # (sends nothing until the test lets it)
+            taken.append(request.admit.request_id)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    try:
+        for rid in (1, 2):
+            outbox.put(target_pb2.ServeRequest(admit=target_pb2.Admit(request_id=rid)))
+        start = time.perf_counter()
+        outbox.wait_sent(timeout_s=0.05)  # the consumer holds the first: times out
+        assert time.perf_counter() - start >= 0.04 and taken == []
+        gate.set()
+        outbox.wait_sent(timeout_s=5)
+        assert taken == [1, 2]
+    finally:
+        gate.set()
+        outbox.put(None)
+        consumer.join(5)
+    assert not consumer.is_alive()
