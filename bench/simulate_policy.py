@@ -180,7 +180,9 @@ def batch_lines(paths: list[Path]) -> list[str]:
     ``held_sequences``), also the requests ended a step, their generated tokens each, and the
     steps each one's stream was out of the batch (of them at the target: prefilling or
     waiting for cache space), and where it has each step's requests in flight, the steps
-    out that the adaptive policy learns from them (:meth:`AdaptivePolicy.out_steps`)."""
+    out that the adaptive policy learns from them (:meth:`AdaptivePolicy.out_steps`), and
+    how often an ended request's stream had its next request in the very next step
+    (:func:`_joins`)."""
     lines = []
     for path in paths:
         for run in _read_runs(path):
@@ -218,8 +220,26 @@ def batch_lines(paths: list[Path]) -> list[str]:
                               for count, s in zip(run["in_flight"], steps, strict=True)
                               if s[ix["batch_size"]])
                     line += f", {out / ended:.1f} by the requests in flight"
+                line += _joins(steps, ix, streams)
             lines.append(line)
     return lines
+
+
+def _joins(steps: list[list], ix: dict[str, int], streams: int) -> str:
+    """How often a stream's next request joined the very next step: of the steps that ended a
+    request with every stream decoding, the share whose next decode step also prefilled a
+    prompt. The target prefills a prompt that arrives while a step waits for the draft's
+    reply in that step (Engine._late_prompts), so a request sent within that wait joins at
+    once, and one sent later leaves its stream out of a whole step; plain steps have no such
+    wait (docs/benchmarks.md, session 52)."""
+    pairs = [(a, b) for a, b in zip(steps, steps[1:], strict=False)
+             if a[ix["finished_requests"]] and a[ix["batch_size"]] == streams
+             and b[ix["batch_size"]]]
+    if not pairs:
+        return ""
+    joined = sum(1 for _, b in pairs if b[ix["prefill_tokens"]])
+    return (f"; the next request joined the next step after {joined} of {len(pairs)} ends "
+            f"({joined / len(pairs):.0%})")
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -447,8 +467,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead: per timed run, its throughput against its tokens per "
                              "second per decoding sequence, its mean decode batch and (where "
                              "the trace has them) how long an ended request's stream was out "
-                             "of the batch, and the steps out a request the policy learns from "
-                             "the requests in flight")
+                             "of the batch, the steps out a request the policy learns from "
+                             "the requests in flight, and how often an ended request's stream "
+                             "had its next request in the very next step")
     args = parser.parse_args(argv)
     if args.batches:
         for line in batch_lines(args.traces):

@@ -378,3 +378,26 @@ def test_batches_tells_throughput_from_the_rate_a_decoding_sequence(tmp_path, ca
         "5 streams, OFF run 0 (off 100%): 10 decode steps, 0.10 s, 300 tok/s, 100.0 tok/s a "
         "decoding sequence, mean batch 3.0; 0.50 requests ended a step, 6.0 tokens each, "
         "4.0 steps out of the batch each (2.0 at the target), 2.0 by the requests in flight"]
+
+
+def test_batches_tells_how_often_the_next_request_joined_the_next_step(tmp_path, capsys):
+    """--batches at 2 streams: of the three steps that end a request with both streams
+    decoding, the step after the first prefills the next prompt beside the other stream (it
+    joined at once), the one after the second decodes that stream alone (it missed that
+    step), and the one after the third ends the run; a request that ends with one stream
+    out is not counted."""
+    fields = [*TRACE_FIELDS, "first_child_accepted"]
+    plan = [(2, 0, 0), (2, 0, 1), (1, 64, 0), (2, 0, 1), (1, 0, 0), (1, 64, 1), (2, 0, 0),
+            (2, 0, 1)]  # (batch, prompt tokens prefilled, requests ended)
+    rows = []
+    for i, (batch, prefill, ended) in enumerate(plan):
+        row = dict.fromkeys(TRACE_FIELDS, 0) | {
+            "step": i, "batch_size": batch, "prefill_tokens": prefill, "committed_tokens": batch,
+            "period_s": 0.01, "finished_requests": ended, "finished_generated_tokens": 8 * ended}
+        rows.append([row[name] for name in TRACE_FIELDS] + [[]])
+    path = tmp_path / "trace.jsonl"
+    path.write_text(json.dumps({"concurrency": 2, "mode": "ON", "run": 0, "fields": fields,
+                                "steps": rows}) + "\n")
+    assert sp.main([str(path), "--batches"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.endswith("; the next request joined the next step after 1 of 2 ends (50%)")
