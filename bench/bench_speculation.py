@@ -138,8 +138,9 @@ class Outbox:
     thread needs the GIL to take the request and send it, so it waited for observe. The
     target prefills a prompt that arrives while a step waits for the draft (about 1 ms with
     the replay draft) in that step; a policy that never left the tree got the next request
-    into that step 14-17 points less often than ON did on this CPU (27-37 in the H100's
-    traces of session 51), and as often without observe (docs/benchmarks.md, session 52). A
+    into that step 14-17 points less often than ON did on this CPU, and as often without
+    observe (under adaptive in the H100's traces of session 51: 26-37 points less often;
+    docs/benchmarks.md, session 52). A
     client in its own process does not wait for the gateway's policy code that way, so the
     benchmark's requests leave before observe runs (in every mode alike)."""
 
