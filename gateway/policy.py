@@ -343,18 +343,11 @@ class AdaptivePolicy:
     first probes each other mode after ``first_probe`` steps of its own:
     buckets a workload only passes through (the tail of a wave of requests)
     then cost nothing, where probing each on its first steps ran most of those
-    steps without speculation. Every bucket starts with the first budget (``start``: the
-    mode's index, 0 for off). A
+    steps without speculation. Every bucket starts with the first budget. A
     bucket the batch only passes through, a step or two at a time
     (:meth:`passed_through`), does not probe at all, and follows the others as
     if it had not decided; in the others a probe starts only where what is left of the
     bucket's visit can hold it (:meth:`_fits`).
-
-    ``noise_z`` (0, off, by default; an experiment) makes a switch need the mean of the
-    mode's probe ratios to clear ``margin`` by that many standard errors more
-    (:meth:`_noise`). At 1-2 streams on a 2-core CPU one probe's log ratio spreads by
-    0.07-0.2, so a mode 3 % behind clears a bare 2 % margin about one judgement in eight,
-    and the policy switched 9 times in 16 runs at 1 stream (docs/benchmarks.md, session 51).
     """
 
     def __init__(self, shapes: Sequence[common_pb2.DraftShape], margin: float = 0.02,
@@ -362,15 +355,11 @@ class AdaptivePolicy:
                  clear: float = 0.2, max_doublings: int = 4, first_probe: int = 16,
                  sudden: float = 0.4, min_gains: int = 64, unknown_cost: float = 0.0,
                  probe_share: float = 0.02, passing: bool = True,
-                 confirm: int = CONFIRM, borrow_cost: bool = False, noise_z: float = 0.0,
-                 start: int = 1) -> None:
+                 confirm: int = CONFIRM, borrow_cost: bool = False) -> None:
         nodes = [shape.num_draft_tokens for shape in shapes]
         if not shapes or 0 in nodes or len(set(nodes)) != len(nodes):
             raise ValueError(f"AdaptivePolicy needs budgets of different, non-zero node "
                              f"counts (got {nodes})")
-        if not 0 <= start <= len(shapes) or not noise_z >= 0:  # (NaN fails too)
-            raise ValueError(f"AdaptivePolicy: start must name a mode (0 to {len(shapes)}) "
-                             f"and noise_z be >= 0 (got {start}, {noise_z})")
         self.modes = [OFF, *shapes]  # mode 0: off
         self._by_budget = {n: i for i, n in enumerate(nodes, start=1)}
         self.first_probe = first_probe
@@ -383,14 +372,13 @@ class AdaptivePolicy:
         self.probe_share = probe_share  # of the time, at most, that all probes lose (_interval)
         self.passing = passing  # whether buckets the batch passes through follow others
         self.confirm = confirm  # probes a switch needs, unless one found the mode clearly ahead
-        self.noise_z = noise_z  # standard errors of the probes' mean a switch needs beyond margin
         self._visits: deque[tuple[int, bool]] = deque(maxlen=VISITS)  # the last decode
         # steps' buckets, and whether each entered its bucket (the step before was another's)
         self._visit_counts: Counter[int] = Counter()
         self._entry_counts: Counter[int] = Counter()
         self._last_size = 0
         self._in_visit = 0  # decode steps since the batch entered its bucket
-        self.buckets = {b: _Bucket(mode=start) for b in BUCKETS}
+        self.buckets = {b: _Bucket() for b in BUCKETS}
         # per step: (prompt tokens prefilled, committed, finished requests' prompt tokens,
         # their generated tokens, and their number)
         self._prompts: deque[tuple[int, int, int, int, int]] = deque(maxlen=PROMPTS)
@@ -793,7 +781,7 @@ class AdaptivePolicy:
         # a speculative mode in use is left only once its tokens per step are known, and on
         # one probe only if that probe found the other mode clearly ahead
         known = self._gains_known(bucket, 0)
-        favoured = mean > (1 + self.margin) * self._noise(bucket, other)
+        favoured = mean > 1 + self.margin
         confirmed = self._confirmed(bucket.ratios[other])
         if favoured and not (known and confirmed):
             bucket.held = other
@@ -819,24 +807,6 @@ class AdaptivePolicy:
                 # way had run at 0.73 of off for 3.5 s before its next probe of off).
                 bucket.recheck = was
                 bucket.ratios[was].clear()
-
-    def _noise(self, bucket: _Bucket, mode: int) -> float:
-        """The factor beyond ``1 + margin`` that the mean of ``mode``'s probe ratios must
-        clear: exp(noise_z standard errors of that mean), with one probe's spread (of its log
-        ratio) pooled over the ratios the bucket holds of every mode not in use. 1 without
-        noise_z, or while they give fewer than 2 degrees of freedom."""
-        if not self.noise_z:
-            return 1.0
-        squares, df = 0.0, 0
-        for ratios in bucket.ratios.values():
-            if len(ratios) > 1:
-                logs = [math.log(r) for r in ratios]
-                centre = sum(logs) / len(logs)
-                squares += sum((x - centre) ** 2 for x in logs)
-                df += len(logs) - 1
-        if df < 2:
-            return 1.0
-        return math.exp(self.noise_z * math.sqrt(squares / df / len(bucket.ratios[mode])))
 
     def _confirmed(self, ratios: Collection[float]) -> bool:
         """Whether a mode's last probes (their ratios over the mode in use) are enough to

@@ -432,7 +432,6 @@ def cpu_like_tree_share(seed: int, **options: float) -> float:
     token in 7.8 ms, so the tree is about 10 % ahead; every step's time wanders (a slow
     random walk shared by both modes, plus 10 % per step), so one probe's ratio varies by
     about 10 %, as measured. Returns the tree's share of the steps after the first 500."""
-    import math
     import random
 
     rng = random.Random(seed)
@@ -1011,54 +1010,6 @@ def test_the_probes_of_all_modes_share_one_budget():
     probes lost 4-5 % of the time at 64 streams on the CPU, against an aim of 3 %."""
     assert 0.01 < probes_lose() < 0.021
     assert probes_lose(probe_share=0.04) > 0.03  # twice the budget: twice the loss
-
-
-def test_a_policy_started_in_off_speculates_once_a_probe_finds_it_pays():
-    assert shape_for(AdaptivePolicy([DEFAULT, CHAIN]).policy, 1, DEFAULT) == DEFAULT
-    policy = AdaptivePolicy([DEFAULT, CHAIN], start=0)
-    assert shape_for(policy.policy, 1, DEFAULT).num_draft_tokens == 0
-    costs = {0: (0.010, 0.0), DEFAULT.num_draft_tokens: (0.012, 2.0), 3: (0.011, 1.0)}
-    ran = run_budgets(policy, 1, costs, 400)
-    assert shape_for(policy.policy, 1, DEFAULT) == DEFAULT and ran[0] < 100, ran
-    for start, noise_z in ((3, 0.0), (-1, 0.0), (1, -0.5), (1, float("nan"))):
-        with pytest.raises(ValueError, match="start must name a mode"):
-            AdaptivePolicy([DEFAULT, CHAIN], start=start, noise_z=noise_z)
-
-
-def test_noise_z_asks_a_switch_to_clear_the_margin_by_standard_errors_of_the_probes():
-    policy = AdaptivePolicy([DEFAULT, CHAIN], noise_z=1.0)
-    bucket = policy.buckets[1]
-    assert policy._noise(bucket, 0) == 1.0  # no spread known yet
-    bucket.ratios[0].extend([1.1, 1 / 1.1, 1.1, 1 / 1.1])
-    bucket.ratios[2].append(0.9)  # one ratio: no spread of its own
-    spread = math.log(1.1) * math.sqrt(4 / 3)  # pooled over 3 degrees of freedom
-    assert policy._noise(bucket, 0) == pytest.approx(math.exp(spread / 2))
-    assert policy._noise(bucket, 2) == pytest.approx(math.exp(spread))
-    assert AdaptivePolicy([DEFAULT, CHAIN])._noise(bucket, 0) == 1.0  # noise_z 0: off
-
-
-def test_noise_z_keeps_a_noisy_machine_from_switching_between_modes_that_tie():
-    """Off and the tree tie (10 ms a token), and every 8 steps the machine's speed changes by
-    up to 20 % (noise in bursts, as on a 2-core CPU): the plain margin switches on it, and
-    fewer switches with noise_z."""
-    def switches(noise_z: float) -> int:
-        rng = random.Random(7)
-        policy = AdaptivePolicy([DEFAULT], noise_z=noise_z)
-        count, last, factor = 0, policy.buckets[1].mode, 1.0
-        for step in range(30000):
-            if step % 8 == 0:
-                factor = rng.uniform(0.8, 1.2)
-            budget = shape_for(policy.policy, 1, DEFAULT).num_draft_tokens
-            period = (0.030 if budget else 0.010) * factor
-            policy.observe(target_pb2.StepStats(
-                batch_size=1, speculated=budget > 0, tree_budget=budget, period_s=period,
-                total_s=period, committed_tokens=3 if budget else 1))
-            count += policy.buckets[1].mode != last  # a switch (not a probe)
-            last = policy.buckets[1].mode
-        return count
-
-    plain, guarded = switches(0.0), switches(1.0)
-    assert guarded < plain / 2, (plain, guarded)
 
 
 def test_a_step_that_changes_no_buckets_mode_rebuilds_no_table():
