@@ -50,7 +50,10 @@ lengths in every mode): without it every request of a wave generates ``--max-new
 so plain decoding keeps each wave in step and prefills it in one step, while speculation
 (different tokens per step for each sequence) makes requests finish and arrive one by one.
 
-``--from-json`` re-renders the table and plot of a saved run without running anything.
+``--from-json`` re-renders the table and plot of a saved run without running anything;
+``--pool A.json B.json ...`` pools several saved sweeps (adaptive against the better fixed
+mode, each sweep's and all their rounds', :func:`pool`): on a 2-core CPU the machine's speed
+moves between sweeps by as much as the aim, so one sweep's ratio at 1-4 streams scatters.
 ``--modes`` runs fewer modes (OFF and ON always: the ratios are against them). With
 ``--start`` both services get ``--device`` and ``--dtype`` (and ``--max-context`` when
 given); the target runs ``--max-running`` max(32, largest concurrency) sequences and
@@ -393,6 +396,68 @@ def summarize(entry: dict[str, Any], modes: list[str] | tuple[str, ...] = DEFAUL
     return {"concurrency": entry["concurrency"], "median": med, "best": best, "on_off": on_off,
             "adaptive_best": adaptive_best, "adaptive_off": adaptive_off, "aim_met": aim_met,
             "adaptive_interval": interval, "variant_adaptive": variant_adaptive}
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    """The mean of ``values`` and its standard error (NaN for one value)."""
+    mean = statistics.fmean(values)
+    return mean, (statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1
+                  else math.nan)
+
+
+def pool(reports: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Adaptive against the better fixed mode, per concurrency, over several saved sweeps.
+
+    In each sweep a round's ratio is adaptive's rate over the better of OFF and ON in that
+    round's pairing, the better being the mode of the higher geometric mean over the sweep's
+    rounds. Per concurrency: each sweep's geometric mean of those ratios with its standard
+    error (``sweeps``: (rounds, ratio, standard error, the better mode)), and all the sweeps'
+    rounds together: their geometric mean, its standard error over the rounds
+    (``rounds_se``, relative) and over the sweeps' means (``sweeps_se``, relative; NaN for
+    one sweep), which is the larger where the machine's speed drifts between sweeps. Sweeps
+    without adaptive at a concurrency are left out there."""
+    logs: dict[int, list[list[float]]] = collections.defaultdict(list)
+    sweeps: dict[int, list[tuple[int, float, float, str]]] = collections.defaultdict(list)
+    for report in reports:
+        for entry in report["results"]:
+            rates = entry["tokens_per_s"]
+            if "adaptive" not in rates:
+                continue
+            on = [math.log(a / b) for a, b in zip(rates["ON"], rates["OFF"], strict=True)]
+            best = "ON" if statistics.fmean(on) > 0 else "OFF"
+            ratios = [math.log(a / b) - (o if best == "ON" else 0.0)
+                      for a, b, o in zip(rates["adaptive"], rates["OFF"], on, strict=True)]
+            mean, se = _mean_se(ratios)
+            logs[entry["concurrency"]].append(ratios)
+            sweeps[entry["concurrency"]].append((len(ratios), math.exp(mean), se, best))
+    pooled = {}
+    for concurrency in sorted(logs):
+        mean, rounds_se = _mean_se([r for ratios in logs[concurrency] for r in ratios])
+        sweeps_se = _mean_se([statistics.fmean(ratios) for ratios in logs[concurrency]])[1]
+        pooled[concurrency] = {"ratio": math.exp(mean), "rounds_se": rounds_se,
+                               "sweeps_se": sweeps_se, "sweeps": sweeps[concurrency]}
+    return pooled
+
+
+def pool_markdown(reports: list[dict[str, Any]], names: list[str]) -> str:
+    """The table of :func:`pool`: a row per concurrency, each sweep's figure beside the
+    pooled one, and whether the pooled ratio meets the aim."""
+    pooled = pool(reports)
+    if not pooled:
+        raise SystemExit("none of the reports ran adaptive")
+    lines = [f"adaptive / the better of OFF and ON, geometric means of per-round ratios over "
+             f"{len(reports)} sweeps ({', '.join(names)}); standard errors in brackets "
+             f"(pooled: over the rounds, then over the sweeps' means); aim {AIM:g}.", "",
+             "| streams | sweeps | rounds | **pooled** | each sweep (rounds, better mode) | aim |",
+             "|---:|---:|---:|---:|---|---|"]
+    for concurrency, row in pooled.items():
+        each = "; ".join(f"{ratio:.3f} ({se:.3f}; {rounds}, {best})"
+                         for rounds, ratio, se, best in row["sweeps"])
+        rounds = sum(s[0] for s in row["sweeps"])
+        met = "met" if row["ratio"] >= AIM else "missed"
+        lines.append(f"| {concurrency} | {len(row['sweeps'])} | {rounds} | **{row['ratio']:.3f}** "
+                     f"({row['rounds_se']:.3f}, {row['sweeps_se']:.3f}) | {each} | {met} |")
+    return "\n".join(lines) + "\n"
 
 
 def policy_warmup_text(report: dict[str, Any]) -> str:
@@ -851,9 +916,16 @@ def main(argv: list[str] | None = None) -> int:
                              "bench/simulate_policy.py replays")
     parser.add_argument("--from-json", type=Path,
                         help="render the table and plot of this saved run; run nothing")
+    parser.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
+                        help="print adaptive against the better fixed mode over these saved "
+                             "runs (per sweep and all their rounds together); run nothing")
     args = parser.parse_args(argv)
     if args.from_json:
         render(json.loads(args.from_json.read_text()), args)
+        return 0
+    if args.pool:
+        print(pool_markdown([json.loads(path.read_text()) for path in args.pool],
+                            [path.name for path in args.pool]), end="")
         return 0
     if args.num_prompts and args.num_prompts < max(args.concurrency):
         parser.error(f"--num-prompts {args.num_prompts} is below the concurrency "

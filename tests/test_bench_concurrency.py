@@ -3,6 +3,8 @@ refusals, and (slow) a replay-draft sweep end to end on CPU."""
 
 import argparse
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +115,35 @@ def test_from_json_renders_without_running(tmp_path, capsys):
     assert bc.main(["--from-json", str(saved), "--out-md", str(tmp_path / "t.md")]) == 0
     assert (tmp_path / "t.md").read_text() == bc.markdown(REPORT)
     assert "| 16 | 32 |" in capsys.readouterr().out
+
+
+def test_pooled_sweeps_take_each_sweeps_better_mode_and_all_their_rounds(tmp_path, capsys):
+    # Sweep A: OFF better, adaptive 0.99 and 0.97 of it. Sweep B: ON better (1.10x OFF),
+    # adaptive 0.99 of ON in each round. A sweep without adaptive adds nothing.
+    sweep_a = {"results": [{"concurrency": 1, "tokens_per_s": {
+        "OFF": [100.0, 100.0], "ON": [90.0, 90.0], "adaptive": [99.0, 97.0]}}]}
+    sweep_b = {"results": [{"concurrency": 1, "tokens_per_s": {
+        "OFF": [100.0, 100.0, 100.0], "ON": [110.0] * 3, "adaptive": [108.9] * 3}}]}
+    fixed_only = {"results": [{"concurrency": 1, "tokens_per_s": {
+        "OFF": [100.0], "ON": [50.0]}}]}
+    pooled = bc.pool([sweep_a, sweep_b, fixed_only])
+    assert list(pooled) == [1]
+    row = pooled[1]
+    assert row["ratio"] == pytest.approx(math.exp(statistics.fmean(
+        [math.log(r) for r in (0.99, 0.97, 0.99, 0.99, 0.99)])))
+    (n_a, ratio_a, _, best_a), (n_b, ratio_b, se_b, best_b) = row["sweeps"]
+    assert (n_a, best_a, n_b, best_b) == (2, "OFF", 3, "ON")
+    assert ratio_a == pytest.approx(math.sqrt(0.99 * 0.97))
+    assert ratio_b == pytest.approx(0.99) and se_b == pytest.approx(0.0, abs=1e-12)
+    assert row["sweeps_se"] > 0 and row["rounds_se"] > 0
+    paths = []
+    for name, report in (("a.json", sweep_a), ("b.json", sweep_b)):
+        paths.append(tmp_path / name)
+        paths[-1].write_text(json.dumps(report))
+    assert bc.main(["--pool", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    assert "over 2 sweeps (a.json, b.json)" in out
+    assert f"| 1 | 2 | 5 | **{row['ratio']:.3f}** (" in out and out.rstrip().endswith("| met |")
 
 
 @pytest.mark.parametrize("text", ["", "0,1", "4,2", "1,1", "a"])
