@@ -447,8 +447,10 @@ def pool_markdown(reports: list[dict[str, Any]], names: list[str]) -> str:
         raise SystemExit("none of the reports ran adaptive")
     lines = [f"adaptive / the better of OFF and ON, geometric means of per-round ratios over "
              f"{len(reports)} sweeps ({', '.join(names)}); standard errors in brackets "
-             f"(pooled: over the rounds, then over the sweeps' means); aim {AIM:g}.", "",
-             "| streams | sweeps | rounds | **pooled** | each sweep (rounds, better mode) | aim |",
+             f"(pooled: over the rounds, then over the sweeps' means); aim: the pooled ratio "
+             f">= {AIM:g}.", "",
+             "| streams | sweeps | rounds | **pooled** | each sweep (standard error; rounds, "
+             "better mode) | aim |",
              "|---:|---:|---:|---:|---|---|"]
     for concurrency, row in pooled.items():
         each = "; ".join(f"{ratio:.3f} ({se:.3f}; {rounds}, {best})"
