@@ -147,10 +147,14 @@ class Outbox:
     def __init__(self) -> None:
         self._queue: queue.Queue[target_pb2.ServeRequest | None] = queue.Queue()
         self._drained = threading.Event()
+        # held while a put clears the flag and queues, and while the taker finds the queue
+        # empty and sets it: a put between those two would otherwise be reported as taken
+        self._lock = threading.Lock()
 
     def put(self, request: target_pb2.ServeRequest | None) -> None:
-        self._drained.clear()
-        self._queue.put(request)
+        with self._lock:
+            self._drained.clear()
+            self._queue.put(request)
 
     def wait_sent(self, timeout_s: float = 0.01) -> None:
         """Return once gRPC's thread has taken every request put and asked for the next (it
@@ -159,8 +163,9 @@ class Outbox:
 
     def __iter__(self) -> Iterator[target_pb2.ServeRequest]:
         while True:
-            if self._queue.empty():
-                self._drained.set()
+            with self._lock:
+                if self._queue.empty():
+                    self._drained.set()
             request = self._queue.get()
             if request is None:
                 return
