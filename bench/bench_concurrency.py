@@ -31,12 +31,14 @@ runs on a fresh target are slow (2 CPU cores, 64 streams: OFF 12.4 s then
 7.0 s for the same work), and a warm-up per concurrency covers new batch sizes
 too. Medians are reported; a ratio is the median of the per-repeat ratios
 (modes interleaved, so drift hits all alike); "best" is whichever of OFF and
-ON has the higher median. Each round's modes run in turn, their order shifted by one place
-each round (``--no-rotate``: the same order every round), against a bias of a run's place
-(:func:`round_order`). Beside adaptive / best goes a 90 % bootstrap interval (whole
-rounds resampled, the best chosen again in each resample): on a 2-core CPU two runs of
-one mode differ by up to 16 % (an A/A sweep, docs/benchmarks.md), so a few rounds
-cannot resolve a 3 % aim, and the interval says where they did not. Writes a markdown
+ON has the higher median. Each round's modes run in turn, in an order from a balanced
+(Williams) design, so that over its rows each mode runs in each place and right after each
+other mode equally often, against the bias of a run's place and of the run before it
+(:func:`round_order`; ``--order rotate``: shifted by one place each round, as sessions 45-54
+ran; ``--order fixed``: the same order every round, as before). Beside adaptive / best
+goes a 90 % bootstrap interval (whole rounds resampled, the best chosen again in each
+resample): on a 2-core CPU two runs of one mode differ by up to 16 % (an A/A sweep,
+docs/benchmarks.md), so a few rounds cannot resolve a 3 % aim, and the interval says where they did not. Writes a markdown
 table (``--out-md``), the raw numbers with the machine and command (``--out-json``) and a plot
 (``--out-png``, needs ``pip install -e '.[bench]'``)::
 
@@ -159,18 +161,57 @@ def parse_modes(text: str) -> list[str]:
     return [mode for mode in MODES if mode in modes]
 
 
-def round_order(modes: list[str], repeat: int, rotate: bool) -> list[str]:
-    """The order of round ``repeat``'s runs: ``modes`` as given, or with ``rotate`` shifted
-    by one place each round, so that over len(modes) rounds each mode runs once in each
-    place. On the H200 at 64 streams (session 45, docs/benchmarks.md), in the order OFF, ON,
-    adaptive every round, adaptive's plain steps took 0.5-3 % longer than OFF's in each of
-    six rounds; with the order rotated, adaptive / OFF was 0.92-0.99 (mean 0.97) in the four
-    rounds that ran adaptive right after ON and 0.99 in the two that did not: a hint of a
-    bias, which rotation spreads over every mode alike."""
-    if not rotate:
+ORDERS = ("balanced", "rotate", "fixed")
+
+
+def round_order(modes: list[str], repeat: int, order: str) -> list[str]:
+    """The order of round ``repeat``'s runs. ``fixed``: ``modes`` as given. ``rotate``: shifted
+    by one place each round, so that over len(modes) rounds each mode runs once in each place;
+    but each mode keeps the same predecessor in every round that does not start with it.
+    ``balanced`` (the default): the rows of a Williams design (:func:`williams_rows`), one a
+    round, so that over a cycle of rows each mode also runs right after each other mode
+    equally often within the rounds. A run's predecessor biases it: on the H200 at 64 streams
+    (session 45, docs/benchmarks.md), adaptive / OFF was 0.92-0.99 (mean 0.97) in the four
+    rounds that ran adaptive right after ON and 0.99 in the two that did not; over ten CPU
+    sweeps rotated from the order OFF, ON, adaptive (sessions 50-54), it was 0.8 % lower
+    (standard error 0.7 %) in the rounds where adaptive followed ON, which rotation makes two
+    in three (three in four with a fourth mode after it). A hint, not a finding; but rotation
+    cannot spread such a bias, and a balanced design does at no cost."""
+    if order == "fixed":
         return list(modes)
-    shift = repeat % len(modes)
-    return [*modes[shift:], *modes[:shift]]
+    if order == "rotate":
+        shift = repeat % len(modes)
+        return [*modes[shift:], *modes[:shift]]
+    if order != "balanced":
+        raise ValueError(f"order must be one of {', '.join(ORDERS)} (got {order!r})")
+    rows = williams_rows(len(modes))
+    return [modes[i] for i in rows[repeat % len(rows)]]
+
+
+def williams_rows(n: int) -> list[list[int]]:
+    """A Williams design for n treatments: rows (orders of 0..n-1) in which every index is in
+    every place equally often and follows every other index equally often (once each over
+    the n rows for even n; over the 2n rows, the n cyclic ones and their mirrors, for odd n).
+    The first row goes 0, 1, n-1, 2, n-2, ...; row i adds i to each entry, mod n."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(x + i) % n for x in first] for i in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
+ORDER_TEXT = {"fixed": "", "rotate": " (the order rotated each round)",
+              "balanced": " (each round's order a row of a balanced design: every mode in every "
+                          "place and after every other mode alike)"}
+
+
+def order_of(settings: dict[str, Any]) -> str:
+    """The order a report's rounds ran in (reports from before --order said rotate or not)."""
+    return settings.get("order") or ("rotate" if settings.get("rotate") else "fixed")
 
 
 def modes_of(report: dict[str, Any]) -> list[str]:
@@ -515,7 +556,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{'/'.join(map(str, settings['shape']))} (nodes/topk/depth); {settings['prompts']} "
         f"prompts{prompt_len} x {new_tokens_text(settings)} new tokens, greedy; "
         f"{settings['repeats']} runs per mode, interleaved"
-        f"{' (the order rotated each round)' if settings.get('rotate') else ''}, medians, after "
+        f"{ORDER_TEXT[order_of(settings)]}, medians, after "
         f"{settings.get('warmup', 0)} untimed {', '.join(warm[:-1])} and {warm[-1]} run(s) at "
         f"each concurrency" + (f"; timed runs sized to last at least {settings['min_run_s']:g} s "
                                "at the fastest mode's warm-up rate" if settings.get("min_run_s")
@@ -746,7 +787,7 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                         break
                 entry["policy_warmup_runs"][mode] = taken
         for repeat in range(args.repeats):
-            for mode in round_order(modes, repeat, args.rotate):  # interleaved: drift hits all
+            for mode in round_order(modes, repeat, args.order):  # interleaved: drift hits all
                 trees, misses = draft_counts(draft)
                 stats = run_target(stub, prompts, lengths, runs[mode], concurrency)
                 write_trace(args.step_trace, concurrency, mode, repeat, stats)
@@ -897,11 +938,19 @@ def main(argv: list[str] | None = None) -> int:
                         "from [(1 - F) x max, max], the same for every mode, so requests finish "
                         "and arrive one by one in every mode, as real traffic does")
     parser.add_argument("--repeats", type=int, default=3, help="runs per mode; medians reported")
-    parser.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=True,
-                        help="shift the modes' order by one place each round, so that each "
-                             "mode runs in each place over as many rounds as modes, against a "
-                             "bias of a run's place in the round (default; --no-rotate: the "
-                             "same order every round, as every sweep before session 45 ran)")
+    parser.add_argument("--order", choices=ORDERS, default="balanced",
+                        help="each round's order of the modes: balanced (default: the rows of "
+                             "a Williams design, so that each mode runs in each place and right "
+                             "after each other mode equally often over a cycle of rows: 2 rounds "
+                             "for 2 modes, 6 for 3, 4 for 4), rotate (shifted by one place each "
+                             "round: each mode keeps the same predecessor, as sessions 45-54 "
+                             "ran) or fixed (the same every round, as every sweep before "
+                             "session 45 ran)")
+    # the flags before --order, kept so that the commands docs/benchmarks.md records still run
+    parser.add_argument("--rotate", dest="order", action="store_const", const="rotate",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--no-rotate", dest="order", action="store_const", const="fixed",
+                        help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed OFF, ON and adaptive runs at each concurrency before the timed ones (adaptive learns in them)")
     parser.add_argument("--policy-warmup", type=int, default=3,
@@ -979,7 +1028,7 @@ def main(argv: list[str] | None = None) -> int:
                      "prompt_len": args.prompt_len, "max_new_tokens": args.max_new_tokens,
                      "new_tokens_spread": args.new_tokens_spread,
                      "repeats": args.repeats, "warmup": args.warmup, "min_run_s": args.min_run_s,
-                     "rotate": args.rotate,
+                     "order": args.order,
                      "policy_warmup": args.policy_warmup if args.min_run_s and args.warmup else 0,
                      "concurrency": args.concurrency, "modes": args.modes,
                      "random_weights": args.random_8b, "max_context": args.max_context or None,

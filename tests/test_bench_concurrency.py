@@ -7,6 +7,7 @@ import math
 import statistics
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -162,15 +163,41 @@ def test_modes_are_parsed_in_table_order_and_need_off_and_on():
 
 def test_rotated_rounds_put_each_mode_once_in_each_place():
     modes = ["OFF", "ON", "chain", "adaptive"]
-    assert all(bc.round_order(modes, r, False) == modes for r in range(5))
-    rounds = [bc.round_order(modes, r, True) for r in range(len(modes))]
+    assert all(bc.round_order(modes, r, "fixed") == modes for r in range(5))
+    rounds = [bc.round_order(modes, r, "rotate") for r in range(len(modes))]
     assert rounds[1] == ["ON", "chain", "adaptive", "OFF"]
     for place in range(len(modes)):
         assert sorted(order[place] for order in rounds) == sorted(modes)
-    assert bc.round_order(modes, len(modes), True) == modes
+    assert bc.round_order(modes, len(modes), "rotate") == modes
     report = json.loads(json.dumps(REPORT))
-    report["settings"]["rotate"] = True
+    report["settings"]["rotate"] = True  # a report from before --order
     assert "interleaved (the order rotated each round)" in bc.markdown(report)
+    with pytest.raises(ValueError, match="order must be one of"):
+        bc.round_order(modes, 0, "shuffled")
+
+
+@pytest.mark.parametrize("modes", [["OFF", "ON"], ["OFF", "ON", "adaptive"],
+                                   ["OFF", "ON", "static", "adaptive"],
+                                   ["OFF", "ON", "chain", "static", "adaptive"]])
+def test_balanced_rounds_put_each_mode_after_each_other_alike(modes):
+    """Over a cycle of the design's rows each mode runs in each place, and right after each
+    other mode, equally often; rotation, by contrast, keeps adaptive after ON."""
+    cycle = 2 * len(modes) if len(modes) % 2 else len(modes)
+    rounds = [bc.round_order(modes, r, "balanced") for r in range(cycle)]
+    assert all(sorted(order) == sorted(modes) for order in rounds)
+    places = Counter((mode, i) for order in rounds for i, mode in enumerate(order))
+    follows = Counter(pair for order in rounds for pair in zip(order[:-1], order[1:], strict=True))
+    assert set(places.values()) == {cycle // len(modes)}
+    assert len(follows) == len(modes) * (len(modes) - 1)
+    assert set(follows.values()) == {cycle // len(modes)}
+    assert bc.round_order(modes, cycle, "balanced") == rounds[0]
+    if len(modes) >= 3:
+        rotated = [bc.round_order(modes, r, "rotate") for r in range(len(modes))]
+        after_on = Counter(a for order in rotated for a, b in zip(order[:-1], order[1:], strict=True) if b == modes[2])
+        assert after_on == {modes[1]: len(modes) - 1}
+    report = json.loads(json.dumps(REPORT))
+    report["settings"]["order"] = "balanced"
+    assert "interleaved (each round's order a row of a balanced design" in bc.markdown(report)
 
 
 def test_a_run_with_the_draft_killed_says_so():
@@ -341,7 +368,8 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     assert "x 4-8 new tokens" in header and settings["new_tokens_spread"] == 0.5
     assert ("then untimed runs of each policy at that size until one in which it settled (at "
             f"most 3; runs taken at each concurrency: adaptive {taken[0]}, {taken[1]})") in header
-    assert "interleaved (the order rotated each round)" in header and settings["rotate"]
+    assert "interleaved (each round's order a row of a balanced design" in header
+    assert settings["order"] == "balanced"
     assert f"{depth:.2f} expected at corrupt 0.00; replay misses in timed runs: 0 of" in header
 
 
