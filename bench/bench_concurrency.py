@@ -175,8 +175,9 @@ def round_order(modes: list[str], repeat: int, order: str) -> list[str]:
     rounds that ran adaptive right after ON and 0.99 in the two that did not; over ten CPU
     sweeps rotated from the order OFF, ON, adaptive (sessions 50-54), it was 0.8 % lower
     (standard error 0.7 %) in the rounds where adaptive followed ON, which rotation makes two
-    in three (three in four with a fourth mode after it). A hint, not a finding; but rotation
-    cannot spread such a bias, and a balanced design does at no cost."""
+    in three (three in four with a fourth mode after it), and in the first balanced sweep
+    ((AS), session 54) 0.5 % higher. No bias found, then; but rotation could not have spread
+    one, and a balanced design does at no cost."""
     if order == "fixed":
         return list(modes)
     if order == "rotate":
