@@ -87,24 +87,25 @@ def _read_runs(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in text.splitlines()]
 
 
-def adaptive_steps(paths: list[Path], concurrency: int
+def adaptive_steps(paths: list[Path], concurrency: int, mode: str = "adaptive"
                    ) -> Iterator[tuple[int, int, target_pb2.StepStats, int | None]]:
-    """The steps of the traces' adaptive runs at ``concurrency``, in the recorded order (the
-    untimed runs first): (run, -1 untimed; the step's index in its run; the step; the
-    requests in flight the policy was told with it, None in a trace older than that)."""
+    """The steps of the traces' adaptive runs (or ``mode``'s: ``variant``) at ``concurrency``,
+    in the recorded order (the untimed runs first): (run, -1 untimed; the step's index in its
+    run; the step; the requests in flight the policy was told with it, None in a trace older
+    than that)."""
     for path in paths:
         for run in _read_runs(path):
-            if run["mode"] == "adaptive" and run["concurrency"] == concurrency:
+            if run["mode"] == mode and run["concurrency"] == concurrency:
                 in_flight = run.get("in_flight") or [None] * len(run["steps"])
                 for i, (row, count) in enumerate(zip(run["steps"], in_flight, strict=True)):
                     yield run["run"], i, target_pb2.StepStats(**dict(zip(run["fields"], row,
                                                                          strict=True))), count
 
 
-def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], AdaptivePolicy]
-           ) -> list[str]:
-    """Feeds the adaptive runs at ``concurrency`` (its untimed runs first, in the recorded
-    order) to one fresh policy, as ``bench_concurrency.py`` did, and returns each judgement
+def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], AdaptivePolicy],
+           mode: str = "adaptive") -> list[str]:
+    """Feeds the adaptive runs (or ``mode``'s) at ``concurrency`` (its untimed runs first, in
+    the recorded order) to one fresh policy, as ``bench_concurrency.py`` did, and returns each judgement
     and switch the policy logged, a line each (prefixed with the run, -1 untimed, and the
     step of that run the policy had just observed). With the
     policy the target ran, its decisions are the recorded run's; with another, the replay
@@ -122,7 +123,7 @@ def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], Adapti
     logger.setLevel(logging.DEBUG)
     try:
         policy = make_policy()
-        for run, step, stats, in_flight in adaptive_steps(paths, concurrency):
+        for run, step, stats, in_flight in adaptive_steps(paths, concurrency, mode):
             where = (run, step)
             policy.observe(stats, in_flight)
     finally:
@@ -447,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                              "policy per concurrency (as the benchmark did) and print each "
                              "judgement and switch, then how far one probe's ratio spreads "
                              "per pair of modes (probe_spread); with the policy the target "
-                             "ran, its decisions are the recorded ones")
+                             "ran, its decisions are the recorded ones; with --variant, the "
+                             "same for the traces' variant runs, replayed with those settings")
     parser.add_argument("--time-observe", action="store_true",
                         help="with --replay: also time one AdaptivePolicy.observe call on "
                              "these steps (the gateway's work a step)")
@@ -490,6 +492,16 @@ def main(argv: list[str] | None = None) -> int:
                 adaptive_shapes("", TREE), unknown_cost=args.unknown_cost_us * 1e-6))
             for line in [*lines, *probe_spread(lines)]:
                 print(f"  {line}")
+            if args.variant is not None and any(
+                    run["mode"] == "variant" and run["concurrency"] == concurrency
+                    for path in args.traces for run in _read_runs(path)):
+                # a bench_concurrency.py sweep's variant, replayed with its own settings
+                print(f"concurrency {concurrency}, the variant's runs ({args.variant}):")
+                lines = replay(args.traces, concurrency, lambda: AdaptivePolicy(
+                    adaptive_shapes("", TREE), unknown_cost=args.unknown_cost_us * 1e-6,
+                    **args.variant), "variant")
+                for line in [*lines, *probe_spread(lines)]:
+                    print(f"  {line}")
             if args.time_observe:
                 print(f"  observe: {observe_cost(args.traces, concurrency) * 1e6:.1f} us a call "
                       f"(the fastest of 3 passes)")

@@ -294,6 +294,30 @@ def test_replay_prints_judgements_and_refuses_a_concurrency_without_adaptive_run
         sp.main([str(SESSION38_64), "--replay", "--unknown-cost-us", "-1"])
 
 
+def test_replay_with_a_variant_replays_the_variants_runs_with_its_settings(tmp_path, capsys):
+    """A sweep's variant runs (here session 38's adaptive runs, copied as a variant's) are
+    replayed by a policy built with --variant's settings, after adaptive's replay: with
+    confirm 1, as those runs were made, the variant's replay makes the recorded switches."""
+    runs = [json.loads(line) for line in gzip.decompress(SESSION38_64.read_bytes()).splitlines()]
+    copied = [{**run, "mode": "variant"} for run in runs if run["mode"] == "adaptive"]
+    trace = tmp_path / "steps.jsonl"
+    trace.write_text("".join(json.dumps(run) + "\n" for run in runs + copied))
+    assert sp.main([str(trace), "--replay", "--concurrency", "64",
+                    "--variant", json.dumps(ONE_PROBE)]) == 0
+    out = capsys.readouterr().out
+    adaptive, variant = out.split("concurrency 64, the variant's runs ({'confirm': 1}):\n")
+    live = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE),
+                                                                **ONE_PROBE))
+    assert [line for line in variant.splitlines() if " judged at " in line or "was" in line] \
+        == [f"  {line}" for line in live]
+    assert "run 0 step 17: batch <= 64: speculation 3/1/3, was off" in variant
+    # confirm 2: no switch on the chain's first probe
+    assert "run 0 step 17: batch <= 64: speculation 3/1/3, was off" not in adaptive
+    assert sp.main([str(SESSION38_64), "--replay", "--concurrency", "64",
+                    "--variant", json.dumps(ONE_PROBE)]) == 0  # no variant runs: adaptive's only
+    assert "the variant's runs" not in capsys.readouterr().out
+
+
 def test_probe_spread_gives_each_pair_of_modes_its_probes_mean_and_spread():
     lines = [f"run 0 step {i}: batch <= 1: a probe of off judged at {r} of 8/4/4 (1 vs 1 tok/s)"
              for i, r in enumerate((1.1, 1 / 1.1, 1.1, 1 / 1.1))]
