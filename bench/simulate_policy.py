@@ -105,8 +105,8 @@ def adaptive_steps(paths: list[Path], concurrency: int, mode: str = "adaptive"
 def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], AdaptivePolicy],
            mode: str = "adaptive") -> list[str]:
     """Feeds the adaptive runs (or ``mode``'s) at ``concurrency`` (its untimed runs first, in
-    the recorded order) to one fresh policy, as ``bench_concurrency.py`` did, and returns each judgement
-    and switch the policy logged, a line each (prefixed with the run, -1 untimed, and the
+    the recorded order) to one fresh policy, as ``bench_concurrency.py`` did, and returns
+    each judgement and switch the policy logged, a line each (prefixed with the run, -1 untimed, and the
     step of that run the policy had just observed). With the
     policy the target ran, its decisions are the recorded run's; with another, the replay
     follows the recorded steps only until its first different decision."""
@@ -482,8 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.unknown_cost_us, args.catch_up_us) < 0:
         parser.error("--unknown-cost-us and --catch-up-us must be >= 0")
     if args.replay:
-        found = sorted({run["concurrency"] for path in args.traces for run in _read_runs(path)
-                        if run["mode"] == "adaptive"})
+        runs = [run for path in args.traces for run in _read_runs(path)]
+        found = sorted({run["concurrency"] for run in runs if run["mode"] == "adaptive"})
+        variants = {run["concurrency"] for run in runs if run["mode"] == "variant"}
+        variant_settings = {"unknown_cost": args.unknown_cost_us * 1e-6, **(args.variant or {})}
         for concurrency in args.concurrency or found:
             if concurrency not in found:
                 parser.error(f"concurrency {concurrency}: the traces have no adaptive run")
@@ -492,19 +494,16 @@ def main(argv: list[str] | None = None) -> int:
                 adaptive_shapes("", TREE), unknown_cost=args.unknown_cost_us * 1e-6))
             for line in [*lines, *probe_spread(lines)]:
                 print(f"  {line}")
-            if args.variant is not None and any(
-                    run["mode"] == "variant" and run["concurrency"] == concurrency
-                    for path in args.traces for run in _read_runs(path)):
-                # a bench_concurrency.py sweep's variant, replayed with its own settings
-                print(f"concurrency {concurrency}, the variant's runs ({args.variant}):")
-                lines = replay(args.traces, concurrency, lambda: AdaptivePolicy(
-                    adaptive_shapes("", TREE), unknown_cost=args.unknown_cost_us * 1e-6,
-                    **args.variant), "variant")
-                for line in [*lines, *probe_spread(lines)]:
-                    print(f"  {line}")
             if args.time_observe:
                 print(f"  observe: {observe_cost(args.traces, concurrency) * 1e6:.1f} us a call "
                       f"(the fastest of 3 passes)")
+            if args.variant is not None and concurrency in variants:
+                # a bench_concurrency.py sweep's variant, replayed with its own settings
+                print(f"concurrency {concurrency}, the variant's runs ({args.variant}):")
+                lines = replay(args.traces, concurrency, lambda: AdaptivePolicy(
+                    adaptive_shapes("", TREE), **variant_settings), "variant")
+                for line in [*lines, *probe_spread(lines)]:
+                    print(f"  {line}")
         return 0
     runs = load_runs(args.traces)
     for concurrency in args.concurrency or sorted(runs):
