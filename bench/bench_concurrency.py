@@ -38,9 +38,9 @@ other mode equally often, against the bias of a run's place and of the run befor
 ran; ``--order fixed``: the same order every round, as before). Beside adaptive / best
 goes a 90 % bootstrap interval (whole rounds resampled, the best chosen again in each
 resample): on a 2-core CPU two runs of one mode differ by up to 16 % (an A/A sweep,
-docs/benchmarks.md), so a few rounds cannot resolve a 3 % aim, and the interval says where they did not. Writes a markdown
-table (``--out-md``), the raw numbers with the machine and command (``--out-json``) and a plot
-(``--out-png``, needs ``pip install -e '.[bench]'``)::
+docs/benchmarks.md), so a few rounds cannot resolve a 3 % aim, and the interval says where
+they did not. Writes a markdown table (``--out-md``), the raw numbers with the machine and
+command (``--out-json``) and a plot (``--out-png``, needs ``pip install -e '.[bench]'``)::
 
     python bench/bench_concurrency.py --start --draft-kind eagle3 --prompts heldout \\
         --concurrency 1,2,4,8,16,32,64 --repeats 3 --max-new-tokens 48 --static-threshold 8 \\

@@ -106,9 +106,9 @@ def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], Adapti
            mode: str = "adaptive") -> list[str]:
     """Feeds the adaptive runs (or ``mode``'s) at ``concurrency`` (its untimed runs first, in
     the recorded order) to one fresh policy, as ``bench_concurrency.py`` did, and returns
-    each judgement and switch the policy logged, a line each (prefixed with the run, -1 untimed, and the
-    step of that run the policy had just observed). With the
-    policy the target ran, its decisions are the recorded run's; with another, the replay
+    each judgement and switch the policy logged, a line each (prefixed with the run, -1
+    untimed, and the step of that run the policy had just observed). With the policy the
+    target ran, its decisions are the recorded run's; with another, the replay
     follows the recorded steps only until its first different decision."""
     lines: list[str] = []
     where = (0, 0)  # the run and step the policy is observing
@@ -482,9 +482,11 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.unknown_cost_us, args.catch_up_us) < 0:
         parser.error("--unknown-cost-us and --catch-up-us must be >= 0")
     if args.replay:
-        runs = [run for path in args.traces for run in _read_runs(path)]
-        found = sorted({run["concurrency"] for run in runs if run["mode"] == "adaptive"})
-        variants = {run["concurrency"] for run in runs if run["mode"] == "variant"}
+        by_mode: dict[str, set[int]] = defaultdict(set)  # the concurrencies each mode ran
+        for path in args.traces:
+            for run in _read_runs(path):
+                by_mode[run["mode"]].add(run["concurrency"])
+        found, variants = sorted(by_mode["adaptive"]), by_mode["variant"]
         variant_settings = {"unknown_cost": args.unknown_cost_us * 1e-6, **(args.variant or {})}
         for concurrency in args.concurrency or found:
             if concurrency not in found:
