@@ -148,26 +148,65 @@ def observe_cost(paths: list[Path], concurrency: int, repeats: int = 3) -> float
     return best
 
 
-JUDGED = re.compile(r"a probe of (\S+) judged at ([0-9.]+) of (\S+) ")
+JUDGED = re.compile(r"batch <= (\d+): a probe of (\S+) judged at ([0-9.]+) of (\S+) ")
+# the parts of the probe's rate and the mode in use's (gateway/policy.py, RateParts)
+PARTS = re.compile(r"tokens a step ([0-9.]+) vs ([0-9.]+), step ([0-9.]+) vs ([0-9.]+) ms as "
+                   r"run, ([0-9.]+) vs ([0-9.]+) restated, share decoding ([0-9.]+) vs ([0-9.]+)\)")
+FACTORS = ("tokens a step", "step time as run", "restatement", "share decoding")
+
+
+def _factors(found: re.Match) -> tuple[float, ...]:
+    """A judgement's ratio (the probe's rate over the mode in use's) as the product of its
+    FACTORS, in logs: tokens a step (the probe's over the mode in use's), step time as run
+    (the mode in use's over the probe's), what restating each for a steady run did to it, and
+    the share of a request's steps decoding."""
+    t_o, t_m, run_o, run_m, steady_o, steady_m, share_o, share_m = map(float, found.groups())
+    return (math.log(t_o / t_m), math.log(run_m / run_o),
+            math.log(steady_m / run_m) - math.log(steady_o / run_o), math.log(share_o / share_m))
 
 
 def probe_spread(lines: list[str]) -> list[str]:
-    """What :func:`replay`'s lines say of the probes' noise: per mode probed and mode in use,
+    """What :func:`replay`'s lines say of the probes' noise: per bucket, mode probed and mode
+    in use,
     how many probes were judged, their ratios' geometric mean, and how far one probe's log
     ratio spreads (its standard deviation); then how many switches the policy made. A switch
     needs the mean of a mode's last PAIRS ratios to clear ``margin`` (2 %): where one probe
     spreads by 0.1, as at 1 stream on a 2-core CPU (docs/benchmarks.md, session 51), a
-    mode 3 % behind clears it about one judgement in eight."""
-    logs: dict[tuple[str, str], list[float]] = defaultdict(list)
+    mode 3 % behind clears it about one judgement in eight.
+
+    For two modes each probed from the other, the product of the two mean ratios: 1 when the
+    probes judge them alike whichever is in use, below 1 when they favour the mode in use
+    (each direction's probes finding it ahead), and that product split into the FACTORS of
+    the judgements (where the lines carry them): which part of the rate holds the bias."""
+    logs: dict[tuple[int, str, str], list[float]] = defaultdict(list)
+    parts: dict[tuple[int, str, str], list[tuple[float, ...] | None]] = defaultdict(list)
     for line in lines:
         if found := JUDGED.search(line):
-            logs[(found[1], found[3])].append(math.log(float(found[2])))
+            key = (int(found[1]), found[2], found[4])
+            logs[key].append(math.log(float(found[3])))
+            split = PARTS.search(line)
+            parts[key].append(_factors(split) if split else None)
     out = []
-    for (probed, in_use), values in sorted(logs.items()):
+    for (size, probed, in_use), values in sorted(logs.items()):
         spread = f"{statistics.stdev(values):.3f}" if len(values) > 1 else "unknown"
-        out.append(f"probes of {probed} against {in_use}: {len(values)}, mean ratio "
-                   f"{math.exp(statistics.fmean(values)):.3f}, spread of a probe's log ratio "
-                   f"{spread}")
+        out.append(f"batch <= {size}: probes of {probed} against {in_use}: {len(values)}, mean "
+                   f"ratio {math.exp(statistics.fmean(values)):.3f}, spread of a probe's log "
+                   f"ratio {spread}")
+    for (size, probed, in_use), values in sorted(logs.items()):
+        back = logs.get((size, in_use, probed))
+        if back is None or probed > in_use:
+            continue
+        product = math.exp(statistics.fmean(values) + statistics.fmean(back))
+        line = (f"batch <= {size}: {probed} and {in_use}, each probed from the other: mean "
+                f"ratios multiply to {product:.3f}")
+        there, back_parts = parts[(size, probed, in_use)], parts[(size, in_use, probed)]
+        if None not in there + back_parts:
+            factors = [math.exp(statistics.fmean(p[i] for p in there)
+                                + statistics.fmean(p[i] for p in back_parts))
+                       for i in range(len(FACTORS))]
+            line += ": " + ", ".join(f"{name} {f:.3f}" for name, f in zip(FACTORS, factors,
+                                                                           strict=True))
+        out.append(line)
     switches = sum(": speculation " in line and ", was " in line for line in lines)
     return [*out, f"switches: {switches}"]
 

@@ -168,6 +168,21 @@ class Sample(NamedTuple):
     follows: bool = True  # the decode step before it ran the same mode
 
 
+class RateParts(NamedTuple):
+    """What :meth:`AdaptivePolicy._rate` makes a mode's rate of: its tokens a step per
+    sequence, its samples' mean step time as they ran and as restated for a steady run,
+    and the share of a request's steps that decode it."""
+
+    tokens: float
+    as_run: float
+    steady: float
+    share: float
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.steady * self.share
+
+
 def rate(samples: Collection[Sample]) -> float:
     """Tokens per second per sequence of samples: a step commits 1 + gain tokens per
     sequence (gain 0 without speculation)."""
@@ -697,8 +712,13 @@ class AdaptivePolicy:
         return sum(gains) / len(gains) if gains else 0.0
 
     def _rate(self, bucket: _Bucket, mode: int, samples: list[Sample], cost: float) -> float:
-        """Tokens per second per request in flight of ``mode``: step times from the samples,
-        tokens per speculative step from that budget's last GAINS steps, times the share of
+        """Tokens per second per request in flight of ``mode`` (:meth:`_rate_parts`)."""
+        return self._rate_parts(bucket, mode, samples, cost).rate
+
+    def _rate_parts(self, bucket: _Bucket, mode: int, samples: list[Sample],
+                    cost: float) -> RateParts:
+        """The parts of ``mode``'s tokens per second per request in flight: step times from
+        the samples, tokens per speculative step from that budget's last GAINS steps, times the share of
         a request's steps that decode it (L / g of L / g + :meth:`out_steps`, with L its
         tokens and g a step's; 1 where neither is known). Each step's time is
         restated for the prompts a steady run prefills (prompt_ratio prompt tokens per
@@ -729,7 +749,7 @@ class AdaptivePolicy:
         # a request's L / per_step decoding steps come with out_steps more of the mode's
         length = self.tokens_per_request
         decoding = 1 / (1 + self.out_steps(bucket, mode) * per_step / length) if length else 1.0
-        return per_step * len(periods) / sum(periods) * decoding
+        return RateParts(per_step, mean_period(samples), sum(periods) / len(periods), decoding)
 
     def _judge(self, bucket: _Bucket, size: int) -> None:
         """A probe and the steps after it ended: its paired ratio, and the decision on the
@@ -740,8 +760,9 @@ class AdaptivePolicy:
         if len(bucket.probe) < 2 or not current:
             return  # the target applied the probe too late to measure it: no judgement
         per_token = {m: self.input_cost(m) for m in {bucket.mode, other} if m}
-        mine = self._rate(bucket, bucket.mode, current, per_token.get(bucket.mode, 0.0))
-        theirs = self._rate(bucket, other, bucket.probe, per_token.get(other, 0.0))
+        parts = (self._rate_parts(bucket, bucket.mode, current, per_token.get(bucket.mode, 0.0)),
+                 self._rate_parts(bucket, other, bucket.probe, per_token.get(other, 0.0)))
+        mine, theirs = parts[0].rate, parts[1].rate
         # What the probe cost, the catch-ups at its first step and at the first step back
         # included (a return to speculation brings the draft up to date on everything
         # since it last ran: 100-560 ms at 32 streams of an 8B target with an EAGLE-3
@@ -774,10 +795,15 @@ class AdaptivePolicy:
                              for m in sorted({bucket.mode, other}))
             log.debug("batch <= %d: a probe of %s judged at %.3f of %s (%.1f vs %.1f tok/s "
                       "per request in flight; cost a token sent: %s; %.2f prompt tokens per "
-                      "committed one; %.1f tokens a request, steps out of the batch: %s)", size,
+                      "committed one; %.1f tokens a request, steps out of the batch: %s; "
+                      "tokens a step %.3f vs %.3f, step %.4f vs %.4f ms as run, %.4f vs %.4f "
+                      "restated, share decoding %.3f vs %.3f)", size,
                       describe_mode(self.modes[other]), theirs / mine,
                       describe_mode(self.modes[bucket.mode]), theirs, mine, costs or "none",
-                      self.prompt_ratio, self.tokens_per_request, outs)
+                      self.prompt_ratio, self.tokens_per_request, outs,
+                      parts[1].tokens, parts[0].tokens, parts[1].as_run * 1e3,
+                      parts[0].as_run * 1e3, parts[1].steady * 1e3, parts[0].steady * 1e3,
+                      parts[1].share, parts[0].share)
         # a speculative mode in use is left only once its tokens per step are known, and on
         # one probe only if that probe found the other mode clearly ahead
         known = self._gains_known(bucket, 0)

@@ -283,7 +283,7 @@ def test_replay_prints_judgements_and_refuses_a_concurrency_without_adaptive_run
     assert out.startswith("concurrency 64:\n  run -1 step 33: batch <= 64: a probe of off "
                           "judged at 1.49")
     judged = out.count(" judged at ")  # the summary counts every judgement once
-    counted = re.findall(r"  probes of \S+ against \S+: (\d+), mean ratio", out)
+    counted = re.findall(r"  batch <= \d+: probes of \S+ against \S+: (\d+), mean ratio", out)
     assert judged and sum(map(int, counted)) == judged
     assert re.search(r"\n  switches: \d+\n$", out)
     assert sp.main([str(SESSION38_64), "--replay", "--concurrency", "64", "--time-observe"]) == 0
@@ -322,13 +322,61 @@ def test_probe_spread_gives_each_pair_of_modes_its_probes_mean_and_spread():
     lines = [f"run 0 step {i}: batch <= 1: a probe of off judged at {r} of 8/4/4 (1 vs 1 tok/s)"
              for i, r in enumerate((1.1, 1 / 1.1, 1.1, 1 / 1.1))]
     lines += ["run 1 step 5: batch <= 1: a probe of 3/1/3 judged at 0.950 of off (1 vs 1 tok/s)",
+              "run 1 step 7: batch <= 2: a probe of off judged at 0.9 of 8/4/4 (1 vs 1 tok/s)",
               "run 1 step 9: batch <= 1: speculation off, was 8/4/4 (1 vs 1 tok/s per request)"]
     spread = math.log(1.1) * math.sqrt(4 / 3)  # four log ratios of +-log 1.1
     assert sp.probe_spread(lines) == [
-        "probes of 3/1/3 against off: 1, mean ratio 0.950, spread of a probe's log ratio unknown",
-        f"probes of off against 8/4/4: 4, mean ratio 1.000, spread of a probe's log ratio "
-        f"{spread:.3f}",
+        "batch <= 1: probes of 3/1/3 against off: 1, mean ratio 0.950, spread of a probe's "
+        "log ratio unknown",
+        f"batch <= 1: probes of off against 8/4/4: 4, mean ratio 1.000, spread of a probe's "
+        f"log ratio {spread:.3f}",
+        "batch <= 2: probes of off against 8/4/4: 1, mean ratio 0.900, spread of a probe's "
+        "log ratio unknown",
         "switches: 1"]
+
+
+def judged(probed: str, in_use: str, tokens: tuple[float, float], run: tuple[float, float],
+           steady: tuple[float, float], share: tuple[float, float] = (1.0, 1.0)) -> str:
+    """A judgement's line as AdaptivePolicy logs it, its ratio the product of its parts (each
+    pair: the probe's, then the mode in use's)."""
+    ratio = tokens[0] / steady[0] * share[0] / (tokens[1] / steady[1] * share[1])
+    return (f"run 0 step 1: batch <= 2: a probe of {probed} judged at {ratio:.3f} of {in_use} "
+            f"(1 vs 1 tok/s per request in flight; tokens a step {tokens[0]:.3f} vs "
+            f"{tokens[1]:.3f}, step {run[0]:.4f} vs {run[1]:.4f} ms as run, {steady[0]:.4f} vs "
+            f"{steady[1]:.4f} restated, share decoding {share[0]:.3f} vs {share[1]:.3f})")
+
+
+def test_probe_spread_finds_probes_that_favour_the_mode_in_use_and_which_part_holds_it():
+    """Off's steps take 5 ms and the tree's 15 (3 tokens a step: level). Probed from off the
+    tree's steps ran at 16.5 ms, and off's probed from the tree at 5.5: each direction's
+    probes favoured the mode in use by 10 %, all of it in the step time as run."""
+    lines = [judged("8/4/4", "off", (3, 1), (16.5, 5), (16.5, 5)),
+             judged("off", "8/4/4", (1, 3), (5.5, 15), (5.5, 15)),
+             "run 1 step 9: batch <= 2: speculation off, was 8/4/4 (1 vs 1 tok/s per request)"]
+    spread = sp.probe_spread(lines)
+    assert spread[-2:] == [
+        "batch <= 2: 8/4/4 and off, each probed from the other: mean ratios multiply to 0.826: "
+        "tokens a step 1.000, step time as run 0.826, restatement 1.000, share decoding 1.000",
+        "switches: 1"]
+    # the same bias, but restating the probes' steps made them dearer (their prompts): there
+    lines = [judged("8/4/4", "off", (3, 1), (15, 5), (16.5, 5)),
+             judged("off", "8/4/4", (1, 3), (5, 15), (5.5, 15))]
+    assert sp.probe_spread(lines)[-2].endswith(
+        "tokens a step 1.000, step time as run 1.000, restatement 0.826, share decoding 1.000")
+    # lines without the parts (an older policy's): the product alone
+    lines = [re.sub(r"; tokens a step .*\)$", ")", line) for line in lines]
+    assert sp.probe_spread(lines)[-2] == ("batch <= 2: 8/4/4 and off, each probed from the "
+                                          "other: mean ratios multiply to 0.826")
+
+
+def test_a_replayed_judgements_parts_make_its_ratio():
+    """The policy's log line carries its ratio's parts, which multiply back to the ratio."""
+    lines = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE)))
+    ratios = [(float(found[3]), sp._factors(sp.PARTS.search(line)))
+              for line in lines if (found := sp.JUDGED.search(line))]
+    assert ratios
+    for ratio, factors in ratios:
+        assert math.exp(sum(factors)) == pytest.approx(ratio, rel=2e-3)
 
 
 SESSION39_64 = RESULTS / "steps_8b_replay_h200_session39_ab1_head_9350253.jsonl.gz"
