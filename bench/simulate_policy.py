@@ -156,10 +156,10 @@ FACTORS = ("tokens a step", "step time as run", "restatement", "share decoding")
 
 
 def _factors(found: re.Match) -> tuple[float, ...]:
-    """A judgement's ratio (the probe's rate over the mode in use's) as the product of its
-    FACTORS, in logs: tokens a step (the probe's over the mode in use's), step time as run
-    (the mode in use's over the probe's), what restating each for a steady run did to it, and
-    the share of a request's steps decoding."""
+    """The logs of a judgement's FACTORS, which sum to the log of its ratio (the probe's rate
+    over the mode in use's): tokens a step (the probe's over the mode in use's), step time as
+    run (the mode in use's over the probe's), what restating each for a steady run did to
+    that, and the share of a request's steps decoding."""
     t_o, t_m, run_o, run_m, steady_o, steady_m, share_o, share_m = map(float, found.groups())
     return (math.log(t_o / t_m), math.log(run_m / run_o),
             math.log(steady_m / run_m) - math.log(steady_o / run_o), math.log(share_o / share_m))
@@ -167,12 +167,11 @@ def _factors(found: re.Match) -> tuple[float, ...]:
 
 def probe_spread(lines: list[str]) -> list[str]:
     """What :func:`replay`'s lines say of the probes' noise: per bucket, mode probed and mode
-    in use,
-    how many probes were judged, their ratios' geometric mean, and how far one probe's log
-    ratio spreads (its standard deviation); then how many switches the policy made. A switch
-    needs the mean of a mode's last PAIRS ratios to clear ``margin`` (2 %): where one probe
-    spreads by 0.1, as at 1 stream on a 2-core CPU (docs/benchmarks.md, session 51), a
-    mode 3 % behind clears it about one judgement in eight.
+    in use, how many probes were judged, their ratios' geometric mean, and how far one
+    probe's log ratio spreads (its standard deviation); then how many switches the policy
+    made. A switch needs the mean of a mode's last PAIRS ratios to clear ``margin`` (2 %):
+    where one probe spreads by 0.1, as at 1 stream on a 2-core CPU (docs/benchmarks.md,
+    session 51), a mode 3 % behind clears it about one judgement in eight.
 
     For two modes each probed from the other, the product of the two mean ratios: 1 when the
     probes judge them alike whichever is in use, below 1 when they favour the mode in use

@@ -718,9 +718,9 @@ class AdaptivePolicy:
     def _rate_parts(self, bucket: _Bucket, mode: int, samples: list[Sample],
                     cost: float) -> RateParts:
         """The parts of ``mode``'s tokens per second per request in flight: step times from
-        the samples, tokens per speculative step from that budget's last GAINS steps, times the share of
-        a request's steps that decode it (L / g of L / g + :meth:`out_steps`, with L its
-        tokens and g a step's; 1 where neither is known). Each step's time is
+        the samples, tokens per speculative step from that budget's last GAINS steps, and
+        the share of a request's steps that decode it (L / g of L / g + :meth:`out_steps`,
+        with L its tokens and g a step's; 1 where neither is known). Each step's time is
         restated for the prompts a steady run prefills (prompt_ratio prompt tokens per
         committed token) at the mode's :meth:`prefill_cost` a token: prompts arrive when
         requests end, and a probe of a few steps, or the steps around it, may see a wave of
