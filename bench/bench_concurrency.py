@@ -871,8 +871,8 @@ def record_replay(target_model: Path, prompts: list[list[int]], args: argparse.N
           flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    log_policy_decisions()
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (every flag; :func:`main` checks their values)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_stack_arguments(  # --device and --dtype are also recorded with the results
         parser, (REPLAY,), "; replay: the replay draft on the target's recorded continuations "
@@ -971,6 +971,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
                         help="print adaptive against the better fixed mode over these saved "
                              "runs (per sweep and all their rounds together); run nothing")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    log_policy_decisions()
+    parser = build_parser()
     args = parser.parse_args(argv)
     if args.from_json:
         render(json.loads(args.from_json.read_text()), args)

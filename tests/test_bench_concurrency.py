@@ -176,6 +176,14 @@ def test_rotated_rounds_put_each_mode_once_in_each_place():
         bc.round_order(modes, 0, "shuffled")
 
 
+@pytest.mark.parametrize(("argv", "order"), [([], "balanced"), (["--order", "rotate"], "rotate"),
+                                             (["--rotate"], "rotate"), (["--no-rotate"], "fixed")])
+def test_the_order_flags_and_their_old_spellings(argv, order):
+    """--rotate and --no-rotate, the flags before --order, still run the commands
+    docs/benchmarks.md records, as --order rotate and --order fixed."""
+    assert bc.build_parser().parse_args(argv).order == order
+
+
 @pytest.mark.parametrize("modes", [["OFF", "ON"], ["OFF", "ON", "adaptive"],
                                    ["OFF", "ON", "static", "adaptive"],
                                    ["OFF", "ON", "chain", "static", "adaptive"]])
