@@ -151,8 +151,11 @@ def observe_cost(paths: list[Path], concurrency: int, repeats: int = 3) -> float
 JUDGED = re.compile(r"batch <= (\d+): a probe of (\S+) judged at ([0-9.]+) of (\S+) ")
 # the parts of the probe's rate and the mode in use's (gateway/policy.py, RateParts)
 PARTS = re.compile(r"tokens a step ([0-9.]+) vs ([0-9.]+), step ([0-9.]+) vs ([0-9.]+) ms as "
-                   r"run, ([0-9.]+) vs ([0-9.]+) restated, share decoding ([0-9.]+) vs ([0-9.]+)\)")
+                   r"run, ([0-9.]+) vs ([0-9.]+) restated, share decoding ([0-9.]+) vs ([0-9.]+)[;)]")
 FACTORS = ("tokens a step", "step time as run", "restatement", "share decoding")
+# the ratio against the mode in use's steps before the probe alone, and after it alone
+SIDES = re.compile(r"against the steps before it alone ([0-9.]+); against the steps after it "
+                   r"alone ([0-9.]+)\)")
 
 
 def _factors(found: re.Match) -> tuple[float, ...]:
@@ -176,15 +179,22 @@ def probe_spread(lines: list[str]) -> list[str]:
     For two modes each probed from the other, the product of the two mean ratios: 1 when the
     probes judge them alike whichever is in use, below 1 when they favour the mode in use
     (each direction's probes finding it ahead), and that product split into the FACTORS of
-    the judgements (where the lines carry them): which part of the rate holds the bias."""
+    the judgements (where the lines carry them): which part of the rate holds the bias. And
+    the same product with each probe judged against the mode in use's steps on one side of
+    it alone (before it; after it), where the lines carry those: a change of mode's
+    after-effect weighs on the probe and the steps after it, not on those before it."""
     logs: dict[tuple[int, str, str], list[float]] = defaultdict(list)
     parts: dict[tuple[int, str, str], list[tuple[float, ...] | None]] = defaultdict(list)
+    sides: dict[tuple[int, str, str], list[tuple[float, float] | None]] = defaultdict(list)
     for line in lines:
         if found := JUDGED.search(line):
             key = (int(found[1]), found[2], found[4])
             logs[key].append(math.log(float(found[3])))
             split = PARTS.search(line)
             parts[key].append(_factors(split) if split else None)
+            alone = SIDES.search(line)
+            sides[key].append((logs[key][-1], math.log(float(alone[1])),
+                               math.log(float(alone[2]))) if alone else None)
     out = []
     for (size, probed, in_use), values in sorted(logs.items()):
         spread = f"{statistics.stdev(values):.3f}" if len(values) > 1 else "unknown"
@@ -206,8 +216,30 @@ def probe_spread(lines: list[str]) -> list[str]:
             line += ": " + ", ".join(f"{name} {f:.3f}" for name, f in zip(FACTORS, factors,
                                                                            strict=True))
         out.append(line)
+        there, back_sides = sides[(size, probed, in_use)], sides[(size, in_use, probed)]
+        if None not in there + back_sides:
+            products = [math.exp(statistics.fmean(p[i] for p in there)
+                                 + statistics.fmean(p[i] for p in back_sides))
+                        for i in range(3)]
+            spreads = [_pooled_spread([[p[i] for p in there], [p[i] for p in back_sides]])
+                       for i in range(3)]
+            out.append(f"batch <= {size}: {probed} and {in_use}, a probe judged against the "
+                       f"mode in use's steps on both sides of it, before it alone, after it "
+                       f"alone: mean ratios multiply to "
+                       + ", ".join(f"{x:.3f}" for x in products)
+                       + "; a probe's log ratio spreads "
+                       + ", ".join("unknown" if x is None else f"{x:.3f}" for x in spreads))
     switches = sum(": speculation " in line and ", was " in line for line in lines)
     return [*out, f"switches: {switches}"]
+
+
+def _pooled_spread(groups: list[list[float]]) -> float | None:
+    """The standard deviation of values about their own group's mean, pooled over the groups
+    (None with no more values than groups)."""
+    free = sum(len(g) for g in groups) - len(groups)
+    if free < 1:
+        return None
+    return math.sqrt(sum((x - statistics.fmean(g)) ** 2 for g in groups for x in g) / free)
 
 
 def batch_lines(paths: list[Path]) -> list[str]:

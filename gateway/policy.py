@@ -793,17 +793,25 @@ class AdaptivePolicy:
                               for m, c in sorted(per_token.items()))
             outs = ", ".join(f"{describe_mode(self.modes[m])} {self.out_steps(bucket, m):.1f}"
                              for m in sorted({bucket.mode, other}))
+            # the ratio against each side of the sandwich alone (a change of mode's
+            # after-effect weighs on the probe and the steps after it, not those before it)
+            cost = per_token.get(bucket.mode, 0.0)
+            sides = "".join(
+                f"; against the steps {name} it alone "
+                f"{theirs / self._rate(bucket, bucket.mode, steps, cost):.3f}"
+                for name, steps in (("before", bucket.before), ("after", bucket.after))
+                if bucket.before and bucket.after)
             log.debug("batch <= %d: a probe of %s judged at %.3f of %s (%.1f vs %.1f tok/s "
                       "per request in flight; cost a token sent: %s; %.2f prompt tokens per "
                       "committed one; %.1f tokens a request, steps out of the batch: %s; "
                       "tokens a step %.3f vs %.3f, step %.4f vs %.4f ms as run, %.4f vs %.4f "
-                      "restated, share decoding %.3f vs %.3f)", size,
+                      "restated, share decoding %.3f vs %.3f%s)", size,
                       describe_mode(self.modes[other]), theirs / mine,
                       describe_mode(self.modes[bucket.mode]), theirs, mine, costs or "none",
                       self.prompt_ratio, self.tokens_per_request, outs,
                       parts[1].tokens, parts[0].tokens, parts[1].as_run * 1e3,
                       parts[0].as_run * 1e3, parts[1].steady * 1e3, parts[0].steady * 1e3,
-                      parts[1].share, parts[0].share)
+                      parts[1].share, parts[0].share, sides)
         # a speculative mode in use is left only once its tokens per step are known, and on
         # one probe only if that probe found the other mode clearly ahead
         known = self._gains_known(bucket, 0)

@@ -336,14 +336,18 @@ def test_probe_spread_gives_each_pair_of_modes_its_probes_mean_and_spread():
 
 
 def judged(probed: str, in_use: str, tokens: tuple[float, float], run: tuple[float, float],
-           steady: tuple[float, float], share: tuple[float, float] = (1.0, 1.0)) -> str:
+           steady: tuple[float, float], share: tuple[float, float] = (1.0, 1.0),
+           sides: tuple[float, float] | None = None) -> str:
     """A judgement's line as AdaptivePolicy logs it, its ratio the product of its parts (each
-    pair: the probe's, then the mode in use's)."""
+    pair: the probe's, then the mode in use's), and where ``sides`` is given, the ratios
+    against the mode in use's steps before the probe alone and after it alone."""
     ratio = tokens[0] / steady[0] * share[0] / (tokens[1] / steady[1] * share[1])
+    alone = "" if sides is None else (f"; against the steps before it alone {sides[0]:.3f}; "
+                                      f"against the steps after it alone {sides[1]:.3f}")
     return (f"run 0 step 1: batch <= 2: a probe of {probed} judged at {ratio:.3f} of {in_use} "
             f"(1 vs 1 tok/s per request in flight; tokens a step {tokens[0]:.3f} vs "
             f"{tokens[1]:.3f}, step {run[0]:.4f} vs {run[1]:.4f} ms as run, {steady[0]:.4f} vs "
-            f"{steady[1]:.4f} restated, share decoding {share[0]:.3f} vs {share[1]:.3f})")
+            f"{steady[1]:.4f} restated, share decoding {share[0]:.3f} vs {share[1]:.3f}{alone})")
 
 
 def test_probe_spread_finds_probes_that_favour_the_mode_in_use_and_which_part_holds_it():
@@ -363,6 +367,26 @@ def test_probe_spread_finds_probes_that_favour_the_mode_in_use_and_which_part_ho
              judged("off", "8/4/4", (1, 3), (5, 15), (5.5, 15))]
     assert sp.probe_spread(lines)[-2].endswith(
         "tokens a step 1.000, step time as run 1.000, restatement 0.826, share decoding 1.000")
+    # with each side's ratio: the mode in use's steps after a probe ran 10 % slower than
+    # those before it (a change of mode's after-effect), so each probe was judged 5 % low
+    # against both, not at all against the steps after it alone
+    lines = [judged("8/4/4", "off", (3, 1), (16.5, 5), (16.5, 5), sides=(0.909, 1.0)),
+             judged("off", "8/4/4", (1, 3), (5.5, 15), (5.5, 15), sides=(0.909, 1.0))]
+    assert sp.probe_spread(lines)[-2] == (
+        "batch <= 2: 8/4/4 and off, a probe judged against the mode in use's steps on both "
+        "sides of it, before it alone, after it alone: mean ratios multiply to 0.826, 0.826, "
+        "1.000; a probe's log ratio spreads unknown, unknown, unknown")
+    # two probes each way, 4 % apart against the steps after them and level against both
+    lines += [judged("8/4/4", "off", (3, 1), (16.5, 5), (16.5, 5), sides=(0.909, 0.96)),
+              judged("off", "8/4/4", (1, 3), (5.5, 15), (5.5, 15), sides=(0.909, 1.04))]
+    # each direction's two log ratios about their mean, pooled (2 degrees of freedom)
+    spread = math.sqrt((math.log(0.96) ** 2 + math.log(1.04) ** 2) / 4)
+    assert sp.probe_spread(lines)[-2].endswith(
+        f"mean ratios multiply to 0.826, 0.826, 0.999; a probe's log ratio spreads 0.000, "
+        f"0.000, {spread:.3f}")
+    lines[0] = re.sub(r"; against the steps before.*\)$", ")", lines[0])  # one line without
+    assert "judged against" not in "\n".join(sp.probe_spread(lines))
+    assert sp.probe_spread(lines)[-2].endswith("share decoding 1.000")  # the parts still parse
     # lines without the parts (an older policy's): the product alone
     lines = [re.sub(r"; tokens a step .*\)$", ")", line) for line in lines]
     assert sp.probe_spread(lines)[-2] == ("batch <= 2: 8/4/4 and off, each probed from the "
@@ -377,6 +401,14 @@ def test_a_replayed_judgements_parts_make_its_ratio():
     assert ratios
     for ratio, factors in ratios:
         assert math.exp(sum(factors)) == pytest.approx(ratio, rel=2e-3)
+    # the mode in use's rate over the steps on both sides of a probe is the steps' mean, so
+    # the ratio against both lies between those against each side alone
+    sides = [(float(found[3]), *map(float, alone.groups())) for line in lines
+             if (found := sp.JUDGED.search(line)) and (alone := sp.SIDES.search(line))]
+    assert len(sides) == len(ratios)
+    assert any(before != after for _, before, after in sides)
+    for ratio, before, after in sides:
+        assert min(before, after) - 1e-3 <= ratio <= max(before, after) + 1e-3
 
 
 SESSION39_64 = RESULTS / "steps_8b_replay_h200_session39_ab1_head_9350253.jsonl.gz"
