@@ -6,7 +6,9 @@ drafting); the target's side is the real ``target_service.draft_client.DraftLink
 does ``--target-ms`` of busy work (its verify forward and bookkeeping) before each
 exchange. Each request carries ``--feature-bytes`` of hidden states, as the target's
 catch-up does: on the stream, or through the target's shared memory (``--via memory``: the
-link's FeatureRing, which the stand-in reads the way the draft service does). Reported per setting: the median of the exchange's wall time less the
+link's FeatureRing, which the stand-in reads the way the draft service does), or so and
+the requests after the first and their replies through a mailbox (``--via mailbox``: the
+target's ``--exchange-memory``, splitspec/mailbox.py). Reported per setting: the median of the exchange's wall time less the
 draft's work (the transit), and its two halves, timed across the processes with the
 wall clock: target to draft (the request queued until the draft's handler has it) and back
 (the reply built until ``exchange`` returns it).
@@ -18,6 +20,7 @@ a sleeping thread.
     python bench/bench_exchange.py                       # 0/0 ms and 9/10 ms, 2 repeats
     python bench/bench_exchange.py --work 0:0,2:5 --steps 500 --out-json /tmp/exchange.json
     python bench/bench_exchange.py --work 0:0 --feature-bytes 1336934 --via stream,memory
+    python bench/bench_exchange.py --work 0:0,2:5 --steps 400 --via stream,mailbox
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from bench_speculation import free_port
 from draft_service.servicer import seq_input_from_pb
 from splitspec.feature_memory import FeatureMap
 from splitspec.grpc_server import CHANNEL_OPTIONS
+from splitspec.mailbox import ExchangeRequests
 from splitspec.v1 import draft_pb2, draft_pb2_grpc
 from target_service.draft_client import DraftLink, Features
 
@@ -65,7 +69,8 @@ class StandInDraft(draft_pb2_grpc.DraftServicer):
 
     def Exchange(self, request_iterator, context):
         memory = None
-        for request in request_iterator:
+        requests = ExchangeRequests(request_iterator, lambda: not context.is_active())
+        for request in requests:
             arrived = time.time()
             if request.feature_memory and memory is None:
                 memory = FeatureMap(request.feature_memory)
@@ -77,7 +82,9 @@ class StandInDraft(draft_pb2_grpc.DraftServicer):
             reply = draft_pb2.DraftReply(step=request.step, trees=[tree],
                                          draft_s=time.time() - arrived)
             reply.trees[0].error = f"{arrived!r} {time.time()!r}"
-            yield reply
+            if (on_stream := requests.answer(reply)) is not None:
+                yield on_stream
+        requests.close()
 
 
 def serve(port: int, work_s: float, ready: mp.Event) -> None:
@@ -92,7 +99,8 @@ def serve(port: int, work_s: float, ready: mp.Event) -> None:
 def measure(draft_ms: float, target_ms: float, steps: int, feature_bytes: int,
             via: str = "stream") -> dict:
     """One stand-in draft process and ``steps`` exchanges through a DraftLink (the first
-    tenth not counted), the features on the stream or (``via`` "memory") in shared memory."""
+    tenth not counted), the features on the stream or (``via`` "memory", "mailbox") in
+    shared memory, and with "mailbox" the exchange through a mailbox."""
     port = free_port()
     ready = mp.Event()
     draft = mp.Process(target=serve, args=(port, draft_ms / 1000, ready), daemon=True)
@@ -101,12 +109,15 @@ def measure(draft_ms: float, target_ms: float, steps: int, feature_bytes: int,
         raise RuntimeError("the stand-in draft did not start within 30 s")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     grpc.channel_ready_future(channel).result(timeout=30)
-    memory = 4 * feature_bytes + (1 << 20) if via == "memory" else 0
+    memory = 4 * feature_bytes + (1 << 20) if via in ("memory", "mailbox") else 0
     link = DraftLink(f"127.0.0.1:{port}", channel,
                      draft_pb2.DraftInfo(needs_hidden_states=bool(feature_bytes)),
-                     timeout_s=5.0, feature_memory_bytes=memory)
+                     timeout_s=5.0, feature_memory_bytes=memory,
+                     exchange_memory=via == "mailbox")
     if bool(link.feature_memory) != bool(memory and feature_bytes):
         raise RuntimeError(f"the features would not go {via}")
+    if bool(link.mailbox) != (via == "mailbox"):
+        raise RuntimeError("no mailbox for the exchange (the log says why)")
     features = Features(np.zeros((1, feature_bytes), np.uint8), [1], feature_bytes // 2,
                         "bfloat16")
     transit, out, back = [], [], []
@@ -162,15 +173,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="hidden-state bytes per request (3 captured layers, 4 tokens, "
                              "hidden 256, float32: the built-in pair's catch-up)")
     parser.add_argument("--via", default="stream",
-                        help="comma-separated: how the features travel, stream and/or memory "
-                             "(the target's shared memory), interleaved in each repeat")
+                        help="comma-separated: how the features travel, stream, memory (the "
+                             "target's shared memory) and/or mailbox (so, and the exchange "
+                             "through a mailbox), interleaved in each repeat")
     parser.add_argument("--out-json", type=Path)
     args = parser.parse_args(argv)
     if args.steps < 10 or args.repeats < 1:
         parser.error("need --steps >= 10 and --repeats >= 1")
     vias = args.via.split(",")
-    if not set(vias) <= {"stream", "memory"}:
-        parser.error(f"--via takes stream and/or memory, got {args.via!r}")
+    if not set(vias) <= {"stream", "memory", "mailbox"}:
+        parser.error(f"--via takes stream, memory and/or mailbox, got {args.via!r}")
     runs = []
     for repeat in range(args.repeats):
         for (draft_ms, target_ms), via in ((work, via) for work in args.work for via in vias):

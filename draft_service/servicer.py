@@ -25,6 +25,7 @@ from draft_service.models import DraftSpec
 from splitspec import telemetry
 from splitspec.feature_memory import FeatureMap
 from splitspec.init_report import InitReport
+from splitspec.mailbox import REFUSED, ExchangeRequests, MailboxError
 from splitspec.sampling import SamplingParams
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -106,15 +107,20 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
         session = self.drafter.open_session()
         num_sent = 0
         memory: FeatureMap | None = None  # the stream's feature memory, opened at first use
+        # the requests, from the stream, or from the target's mailbox once one names it
+        requests = ExchangeRequests(request_iterator, lambda: not context.is_active())
         log.info("draft stream opened by %s", context.peer())
         try:
-            for request in request_iterator:
+            for request in requests:
                 if request.feature_memory and (memory is None
                                                or memory.path != request.feature_memory):
                     if memory is not None:
                         memory.close()
                     memory = None  # (if the next line fails, the finally has nothing to close)
                     memory = FeatureMap(request.feature_memory)
+                if request.mailbox:
+                    log.info("draft stream from %s continues through the mailbox %s",
+                             context.peer(), request.mailbox)
                 reply = self._reply(session, request, memory)
                 if self.fault == "malformed_tree":
                     for tree in reply.trees[num_sent % 2::2]:
@@ -122,13 +128,18 @@ class DraftServicer(draft_pb2_grpc.DraftServicer):
                 if self.fault == "slow" and request.step % 8 == 0:
                     time.sleep(SLOW_REPLY_S)
                 num_sent += len(reply.trees)
-                yield reply
+                if (on_stream := requests.answer(reply)) is not None:
+                    yield on_stream
         except grpc.RpcError:
             if context.is_active():
                 raise
             # The target cancelled its stream (it stops or reconnects): the normal end of a stream.
             log.info("draft stream from %s cancelled by the client", context.peer())
+        except MailboxError as exc:  # the stream fails, saying why
+            log.warning("draft stream from %s: %s: %s", context.peer(), REFUSED, exc)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{REFUSED}: {exc}")
         finally:
+            requests.close()
             if memory is not None:
                 memory.close()
             self.drafter.close_session(session)

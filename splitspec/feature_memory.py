@@ -27,6 +27,7 @@ import mmap
 import os
 import tempfile
 from collections import deque
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +38,49 @@ CHECK_BYTES = 16  # the segment starts with these random bytes: the draft checks
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
+class Segment(NamedTuple):
+    """A shared segment this process made (:func:`make_segment`): its descriptor, the path
+    another process on this host opens it by, its mapping, and whether that path is a
+    file's name in a directory (removed once the other side has opened it)."""
+
+    fd: int
+    path: str
+    map: mmap.mmap
+    named: bool
+
+
+def make_segment(size: int, directory: str, name: str) -> Segment:
+    """``size`` bytes of shared memory: an anonymous memfd (opened elsewhere through
+    ``/proc/<pid>/fd/<fd>``), or with ``directory`` a file there named after ``name``, its
+    pages allocated now (a full tmpfs fails here, not with SIGBUS at a write). OSError when
+    it cannot be made; nothing is left behind then."""
+    if directory:
+        fd, path = tempfile.mkstemp(prefix=f"{name}-", dir=directory)
+    else:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+    try:
+        if directory:
+            os.posix_fallocate(fd, 0, size)
+        else:
+            os.ftruncate(fd, size)
+        return Segment(fd, path, mmap.mmap(fd, size), bool(directory))
+    except OSError:  # (re-raised) a full or read-only directory: nothing left there
+        if directory:
+            os.unlink(path)
+        os.close(fd)
+        raise
+
+
+def unlink_segment(path: str, what: str) -> None:
+    """Remove a file segment's name from its directory (the other side has opened it, or
+    never will): the mappings keep its memory until they go."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:  # removed by someone else: the memory stays ours
+        log.warning("the %s %s was already gone from its directory", what, path)
+
+
 class FeatureRing:
     """The target's segment of ``size`` bytes, written as a ring of request regions: an
     anonymous memfd, or with ``directory`` a file there (OSError when it cannot be made)."""
@@ -45,22 +89,8 @@ class FeatureRing:
         if size <= CHECK_BYTES:
             raise ValueError(f"feature memory of {size} bytes holds no features")
         self.size = size
-        if directory:
-            self._fd, self.path = tempfile.mkstemp(prefix="splitspec-features-", dir=directory)
-        else:
-            self._fd = os.memfd_create("splitspec-features", os.MFD_CLOEXEC)
-            self.path = f"/proc/{os.getpid()}/fd/{self._fd}"
-        self.named = bool(directory)  # a file whose name is still in its directory
-        try:
-            if directory:  # its pages now: a full tmpfs fails here, not with SIGBUS at a write
-                os.posix_fallocate(self._fd, 0, size)
-            else:
-                os.ftruncate(self._fd, size)
-            self._map = mmap.mmap(self._fd, size)
-        except OSError:  # (re-raised) a full or read-only directory: nothing left there
-            self.unlink()
-            os.close(self._fd)
-            raise
+        self._fd, self.path, self._map, self.named = make_segment(size, directory,
+                                                                  "splitspec-features")
         self.array = np.frombuffer(self._map, dtype=np.uint8)  # the segment, writable
         self.pinned = False  # page-locked for CUDA (pin)
         self.check = os.urandom(CHECK_BYTES)
@@ -130,13 +160,9 @@ class FeatureRing:
     def unlink(self) -> None:
         """Remove a file segment's name from its directory (the draft has opened it, or never
         will): the mappings keep its memory until they go. Nothing for a memfd."""
-        if not self.named:
-            return
-        self.named = False
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:  # removed by someone else: the memory stays ours
-            log.warning("the feature memory %s was already gone from its directory", self.path)
+        if self.named:
+            self.named = False
+            unlink_segment(self.path, "feature memory")
 
     def close(self) -> None:
         """Unlock and let the segment go: it is unmapped once no view of :attr:`array` is

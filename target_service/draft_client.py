@@ -1,8 +1,10 @@
 """The target's end of the long-lived draft stream: one request and one reply per step
 (with the target's --early-exchange, the request is sent during the step before). An
 EAGLE-3 draft's features go into shared memory when the draft can read it
-(:mod:`splitspec.feature_memory`), else on the stream. A stream that breaks is reopened
-in the background, once the draft answers SERVING again."""
+(:mod:`splitspec.feature_memory`), else on the stream; with ``exchange_memory`` the
+requests after a stream's first and their replies go through a mailbox in shared memory
+(:mod:`splitspec.mailbox`) when the draft can map it. A stream that breaks is reopened in
+the background, once the draft answers SERVING again."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitspec.feature_memory import FeatureRing
 from splitspec.grpc_server import wait_for_serving
+from splitspec.mailbox import REFUSED, Mailbox, wait_for
+from splitspec.mailbox import supported as mailbox_supported
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -60,11 +64,20 @@ class Features(NamedTuple):
 
 class _Opening(NamedTuple):
     """What a stream about to open needs, made off the engine thread: its feature memory
-    (None: the features travel on the stream), and whether requests may be written into it
-    directly (:meth:`DraftLink.feature_slot`)."""
+    (None: the features travel on the stream), whether requests may be written into it
+    directly (:meth:`DraftLink.feature_slot`), and its mailbox (None: every request and
+    reply travel on the stream)."""
 
     ring: FeatureRing | None
     direct: bool
+    box: Mailbox | None = None
+
+    def close(self) -> None:
+        """Let an opening no stream will use go."""
+        if self.ring is not None:
+            self.ring.close()
+        if self.box is not None:
+            self.box.close()
 
 
 class FeatureSlot(NamedTuple):
@@ -107,7 +120,9 @@ class DraftLink:
     that already timed out is dropped. With ``feature_memory_bytes`` and a draft
     that needs features, each stream it opens gets a segment of that size
     (:class:`FeatureRing`; a file in ``feature_memory_dir`` when given) if the draft can
-    read it.
+    read it. With ``exchange_memory``, each stream also gets a mailbox (:mod:`splitspec.mailbox`)
+    if the draft can map it: the stream's first request names it, and every later request
+    and its reply go through it.
 
     The link's methods run on the engine thread, one at a time, and none of them waits for
     the draft beyond a reply's deadline. A stream that breaks is reopened in the background
@@ -120,12 +135,14 @@ class DraftLink:
 
     def __init__(self, address: str, channel: grpc.Channel, info: draft_pb2.DraftInfo,
                  timeout_s: float, feature_memory_bytes: int = 0,
-                 pin_features: bool = False, feature_memory_dir: str = "") -> None:
+                 pin_features: bool = False, feature_memory_dir: str = "",
+                 exchange_memory: bool = False) -> None:
         self.address = address
         self.info = info
         self.timeout_s = timeout_s
         self.feature_memory_bytes = feature_memory_bytes
-        self.feature_memory_dir = feature_memory_dir
+        self.feature_memory_dir = feature_memory_dir  # (a mailbox's too)
+        self.exchange_memory = exchange_memory  # a mailbox for each stream, if it can
         self.pin_features = pin_features  # a CUDA target: the segment page-locked
         self._direct = False  # whether feature_slot offers room in the segment
         self._stub = draft_pb2_grpc.DraftStub(channel)
@@ -134,6 +151,7 @@ class DraftLink:
         self._replies: queue.Queue = queue.Queue()
         self._call: grpc.Future | None = None
         self._ring: FeatureRing | None = None
+        self._box: Mailbox | None = None
         self._sent = self._answered = 0  # requests sent and replies read on this stream
         self._late_at = 0.0  # when a wait for a reply last timed out (time.monotonic())
         self._silent = 0  # waits timed out since the draft last answered anything
@@ -150,16 +168,21 @@ class DraftLink:
     @classmethod
     def connect(cls, address: str, timeout_s: float, exchange_timeout_s: float,
                 feature_memory_bytes: int = 0, pin_features: bool = False,
-                feature_memory_dir: str = "") -> DraftLink:
+                feature_memory_dir: str = "", exchange_memory: bool = False) -> DraftLink:
         channel = wait_for_serving(address, timeout_s, "draft service")
         info = draft_pb2_grpc.DraftStub(channel).GetInfo(draft_pb2.GetDraftInfoRequest(), timeout=10)
         return cls(address, channel, info, exchange_timeout_s, feature_memory_bytes,
-                   pin_features, feature_memory_dir)
+                   pin_features, feature_memory_dir, exchange_memory)
 
     @property
     def feature_memory(self) -> str:
         """Where this stream's features go: the segment's path, or "" (on the stream)."""
         return self._ring.path if self._ring is not None else ""
+
+    @property
+    def mailbox(self) -> str:
+        """This stream's mailbox's path, or "" (the exchange travels on the stream)."""
+        return self._box.path if self._box is not None else ""
 
     def init_report(self) -> common_pb2.InitReport:
         """The draft's start-up report, asked for now (and kept as :attr:`report`)."""
@@ -181,8 +204,8 @@ class DraftLink:
     def _open(self, opening: _Opening) -> None:
         """Open a stream on ``opening``'s feature memory (fast: nothing here waits for the
         draft)."""
-        self._close_ring()
-        self._ring, self._direct = opening
+        self._close_memory()
+        self._ring, self._direct, self._box = opening
         self._sent = self._answered = 0
         self._requests = queue.Queue()
         self._replies = queue.Queue()
@@ -195,9 +218,12 @@ class DraftLink:
         """What the next stream needs: its feature memory, when the draft needs features and
         one was asked for (at start-up, on the caller's thread; later, on the reconnect
         thread)."""
+        opening = _Opening(None, False)
         if self.info.needs_hidden_states and self.feature_memory_bytes > 0:
-            return self._attach_ring()
-        return _Opening(None, False)
+            opening = self._attach_ring()
+        if self.exchange_memory:
+            opening = opening._replace(box=self._attach_mailbox())
+        return opening
 
     def _attach_ring(self) -> _Opening:
         """A new segment for the stream about to open, or none when the draft cannot read it
@@ -211,12 +237,7 @@ class DraftLink:
             log.warning("draft features travel on the stream, not through shared memory: "
                         "%d bytes of it could not be made: %s", self.feature_memory_bytes, exc)
             return _Opening(None, False)
-        request = draft_pb2.AttachFeatureMemoryRequest(path=ring.path, check=ring.check)
-        try:
-            error = self._stub.AttachFeatureMemory(request, timeout=self.timeout_s).error
-        except grpc.RpcError as exc:  # a draft without the call, or not answering now
-            error = f"AttachFeatureMemory failed: {exc.code().name} {exc.details()}"
-        if error:
+        if error := self._attach(ring.path, ring.check):
             ring.close()
             log.warning("draft features travel on the stream, not through shared memory: %s",
                         error)
@@ -228,6 +249,35 @@ class DraftLink:
         log.info("draft features through shared memory %s (%.0f MiB%s)", ring.path,
                  ring.size / 2**20, ", page-locked" if ring.pinned else "")
         return _Opening(ring, direct)
+
+    def _attach(self, path: str, check: bytes) -> str:
+        """Whether the draft can open the segment at ``path`` (AttachFeatureMemory): "", or
+        why not."""
+        request = draft_pb2.AttachFeatureMemoryRequest(path=path, check=check)
+        try:
+            return self._stub.AttachFeatureMemory(request, timeout=self.timeout_s).error
+        except grpc.RpcError as exc:  # a draft without the call, or not answering now
+            return f"AttachFeatureMemory failed: {exc.code().name} {exc.details()}"
+
+    def _attach_mailbox(self) -> Mailbox | None:
+        """A mailbox for the stream about to open, or none when this host or the draft
+        cannot use one (the exchange then travels on the stream; the log says why)."""
+        if problem := mailbox_supported():
+            log.info("draft exchange on the stream, not through a mailbox: %s", problem)
+            self.exchange_memory = False
+            return None
+        try:
+            box = Mailbox(self.feature_memory_dir)
+        except OSError as exc:  # out of memory or file descriptors: the stream still works
+            log.warning("draft exchange on the stream: its mailbox could not be made: %s", exc)
+            return None
+        if error := self._attach(box.path, box.check):
+            box.close()
+            log.warning("draft exchange on the stream, not through a mailbox: %s", error)
+            return None
+        log.info("draft exchange through the mailbox %s after each stream's first request",
+                 box.path)
+        return box
 
     def _draft_problem(self) -> str:
         """Why the draft cannot take a new stream now ("" when it can): not SERVING, or not
@@ -274,8 +324,7 @@ class DraftLink:
                     log.info("draft at %s SERVING again: its stream reopens at the next step",
                              self.address)
                     break
-                if opening.ring is not None:  # the link closed meanwhile
-                    opening.ring.close()
+                opening.close()  # the link closed meanwhile
             if self._closed.is_set():
                 return
 
@@ -285,10 +334,10 @@ class DraftLink:
         be dropped (the engine does not build one)."""
         return self._call is None and self._opening is None
 
-    def _close_ring(self) -> None:
-        ring, self._ring, self._direct = self._ring, None, False
-        if ring is not None:
-            ring.close()
+    def _close_memory(self) -> None:
+        """Let the stream's feature memory and mailbox go."""
+        _Opening(self._ring, False, self._box).close()
+        self._ring, self._direct, self._box = None, False, None
 
     def _read(self, call: Iterator, replies: queue.Queue) -> None:
         try:
@@ -320,12 +369,26 @@ class DraftLink:
                 return Sent(request.step, 0.0, "draft stream down, reconnecting", False)
             self._open(opening)
             restarted = True
+        box = self._box
+        if box is not None and self._sent and not box.room:  # (the draft is far behind)
+            return Sent(request.step, 0.0, f"{box.posted - box.read} draft requests are "
+                        f"unanswered in the mailbox", restarted)
         if features is not None:
             if restarted and features.offset is not None:
                 raise RuntimeError("features were written into the feature memory of a stream "
                                    "that send reopened (feature_slot offers none then)")
             place_features(request, features, self._ring, self._sent)
-        self._requests.put(request)
+        if box is None:
+            self._requests.put(request)
+        elif not self._sent:  # the stream's first request names its mailbox
+            request.mailbox = box.path
+            self._requests.put(request)
+        else:
+            raw = request.SerializeToString()
+            fits = box.fits(len(raw))
+            box.post(raw if fits else None)
+            if not fits:
+                self._requests.put(request)
         self._sent += 1
         return Sent(request.step, time.monotonic() + self.timeout_s, "", restarted)
 
@@ -334,7 +397,9 @@ class DraftLink:
         the stream's end) is in, or its deadline has passed, or it was never sent. (A late
         reply to an earlier request also counts: receive then drops it and waits, within the
         deadline, for this one's.)"""
-        return bool(sent.error) or not self._replies.empty() or time.monotonic() >= sent.deadline
+        return (bool(sent.error) or not self._replies.empty()
+                or (self._box is not None and self._box.waiting > 0)
+                or time.monotonic() >= sent.deadline)
 
     def owes(self) -> bool:
         """Whether the draft has yet to answer a request on this stream whose wait timed out,
@@ -345,7 +410,8 @@ class DraftLink:
         every step the whole deadline (2 s by default). The late reply's arrival ends it at
         once; until then a step asks again only after owed_for."""
         return (self._silent > 0 and self._call is not None
-                and self._answered + self._replies.qsize() < self._sent
+                and self._answered + self._replies.qsize()
+                + (self._box.waiting if self._box is not None else 0) < self._sent
                 and time.monotonic() - self._late_at < self.owed_for)
 
     @property
@@ -362,18 +428,21 @@ class DraftLink:
         if sent.error:
             return ExchangeResult(None, sent.error, sent.restarted)
         while True:
-            left = sent.deadline - time.monotonic()
-            try:
-                item = self._replies.get(timeout=max(left, 0.0))
-            except queue.Empty:
+            item = self._next_reply(sent.deadline)
+            if item is None:
                 self._late_at = time.monotonic()
                 self._silent += 1
                 return ExchangeResult(None, f"no draft reply within {self.timeout_s:.2f}s",
                                       sent.restarted)
             if isinstance(item, Exception):
+                if self._box is not None and _refused(item):
+                    log.warning("draft exchange on the stream from now on: %s", item.details())
+                    self.exchange_memory = False
                 self._break()
                 return ExchangeResult(None, f"draft stream failed: {item}", True)
             self._answered += 1
+            if self._box is not None and self._box.named:  # the draft has opened it
+                self._box.unlink()
             self._silent = 0
             if self._ring is not None:  # the draft has read the features of every request so far
                 self._ring.replied(self._answered - 1)
@@ -381,12 +450,31 @@ class DraftLink:
                 return ExchangeResult(item, "", sent.restarted)
             log.info("dropping late draft reply for step %d", item.step)
 
+    def _next_reply(self, deadline: float) -> draft_pb2.DraftReply | Exception | None:
+        """The stream's next reply (or the exception that ended the stream), or None when
+        none came by ``deadline``: on the stream, or after the first one of a stream with a
+        mailbox, through it (where the mailbox says so, on the stream after all)."""
+        box, replies = self._box, self._replies
+        if box is not None and self._answered:
+            if not wait_for(lambda: box.waiting > 0 or not replies.empty(), deadline):
+                return None
+            if box.waiting > 0:
+                raw = box.take()
+                if raw is not None:
+                    return draft_pb2.DraftReply.FromString(raw)
+            else:  # the stream ended (it carries no reply the mailbox has not announced)
+                return replies.get_nowait()
+        try:
+            return replies.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            return None
+
     def _break(self) -> None:
         call, self._call = self._call, None  # first: the reader then knows it was this side
         if call is not None:
             call.cancel()
         self._requests.put(_END)
-        self._close_ring()
+        self._close_memory()
         self._broken.set()
         if self._reconnecting is None:
             self._reconnecting = threading.Thread(target=self._reconnect, daemon=True,
@@ -400,11 +488,17 @@ class DraftLink:
             self._reconnecting.join()
         with self._lock:
             opening, self._opening = self._opening, None
-        if opening is not None and opening.ring is not None:
-            opening.ring.close()
+        if opening is not None:
+            opening.close()
         call, self._call = self._call, None
         if call is not None:
             self._requests.put(_END)
             call.cancel()
-        self._close_ring()
+        self._close_memory()
         self._channel.close()
+
+
+def _refused(error: Exception) -> bool:
+    """Whether a stream ended because the draft could not use the mailbox it named."""
+    return (isinstance(error, grpc.Call) and error.code() == grpc.StatusCode.FAILED_PRECONDITION
+            and (error.details() or "").startswith(REFUSED))

@@ -251,7 +251,8 @@ def connect_draft(cfg: TargetConfig, spec: ModelSpec, cache: KVCache) -> Detaile
     link = DraftLink.connect(cfg.draft, cfg.connect_timeout_s, cfg.draft_timeout_s,
                              cfg.feature_memory_mb * 2**20,
                              pin_features=cache.data.device.type == "cuda",
-                             feature_memory_dir=cfg.feature_memory_dir)
+                             feature_memory_dir=cfg.feature_memory_dir,
+                             exchange_memory=cfg.exchange_memory)
     info = link.info
     problems = draft_mismatches(info, spec)
     if problems:
@@ -272,6 +273,8 @@ def connect_draft(cfg: TargetConfig, spec: ModelSpec, cache: KVCache) -> Detaile
         held = f" ({cache.hold_features(width, cache.data.dtype) / 2**20:.1f} MiB)"
         held += (f", sent through shared memory {link.feature_memory}" if link.feature_memory
                  else ", sent on the stream")
+    if link.mailbox:
+        held += f"; the exchange through the mailbox {link.mailbox}"
     link.init_report()  # (kept: TargetInfo.draft_report)
     draft = Draft(link, capture)
     return Detailed(draft, f"{info.kind} draft {info.model_name}, capture layer inputs "

@@ -40,7 +40,20 @@ def test_features_go_on_the_stream_or_through_shared_memory_as_asked(tmp_path, c
     assert "features memory: transit" in capsys.readouterr().out
 
 
+def test_the_exchange_goes_through_a_mailbox_as_asked(tmp_path, capsys):
+    """The stand-in draft reads the link's mailbox as the draft service does: the runs
+    complete, and each step's transit and halves are measured the same way."""
+    out = tmp_path / "exchange.json"
+    assert bx.main(["--work", "0:0", "--steps", "20", "--repeats", "1", "--feature-bytes",
+                    "4096", "--via", "mailbox", "--out-json", str(out)]) == 0
+    [run] = json.loads(out.read_text())["runs"]
+    assert (run["via"], run["steps"]) == ("mailbox", 18)
+    assert 0 < run["transit_ms"] < 50 and run["to_draft_ms"] > 0 and run["back_ms"] > 0
+    assert "features mailbox: transit" in capsys.readouterr().out
+
+
 def test_via_names_a_way(capsys):
     with pytest.raises(SystemExit):
         bx.main(["--via", "stream,pigeon"])
-    assert "--via takes stream and/or memory, got 'stream,pigeon'" in capsys.readouterr().err
+    assert "--via takes stream, memory and/or mailbox, got 'stream,pigeon'" in \
+        capsys.readouterr().err

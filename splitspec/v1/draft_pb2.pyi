@@ -100,18 +100,20 @@ class SeqDraftInput(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., start: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., hidden_states: _Optional[bytes] = ..., hidden_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Union[_common_pb2.DraftShape, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., traceparent: _Optional[bytes] = ..., hidden_states_at: _Optional[_Union[FeatureSpan, _Mapping]] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("step", "seqs", "release_ids", "traceparent", "feature_memory")
+    __slots__ = ("step", "seqs", "release_ids", "traceparent", "feature_memory", "mailbox")
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQS_FIELD_NUMBER: _ClassVar[int]
     RELEASE_IDS_FIELD_NUMBER: _ClassVar[int]
     TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     FEATURE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MAILBOX_FIELD_NUMBER: _ClassVar[int]
     step: int
     seqs: _containers.RepeatedCompositeFieldContainer[SeqDraftInput]
     release_ids: _containers.RepeatedScalarFieldContainer[int]
     traceparent: bytes
     feature_memory: str
-    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqDraftInput, _Mapping]]] = ..., release_ids: _Optional[_Iterable[int]] = ..., traceparent: _Optional[bytes] = ..., feature_memory: _Optional[str] = ...) -> None: ...
+    mailbox: str
+    def __init__(self, step: _Optional[int] = ..., seqs: _Optional[_Iterable[_Union[SeqDraftInput, _Mapping]]] = ..., release_ids: _Optional[_Iterable[int]] = ..., traceparent: _Optional[bytes] = ..., feature_memory: _Optional[str] = ..., mailbox: _Optional[str] = ...) -> None: ...
 
 class DraftTree(_message.Message):
     __slots__ = ("seq_id", "tokens", "parents", "error", "proposals")

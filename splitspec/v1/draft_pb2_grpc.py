@@ -99,7 +99,8 @@ class DraftServicer:
         """Whether the draft can read the target's feature memory: a segment the
         target writes each request's EAGLE-3 features into, so that they need not
         travel on the stream (a draft on the target's host). Asked on every
-        Exchange stream the target opens, each with its own segment.
+        Exchange stream the target opens, each with its own segment. Also asked of
+        an exchange mailbox (DraftRequest.mailbox) before a stream names it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
