@@ -74,14 +74,13 @@ class TargetConfig:
                                      "this process: a tmpfs volume mounted in both containers. "
                                      "Default: an anonymous memfd, which only a draft in this "
                                      "container can open")
-    exchange_memory: bool = option(False, "send each stream's draft requests after the "
-                                   "first, and take their replies, through a mailbox in shared "
-                                   "memory that both sides poll, when the draft can map it (on "
-                                   "this host, or in a container that sees --feature-memory-dir; "
-                                   "x86-64 only), instead of on the stream: on an H100 host the "
-                                   "stream's wake-ups cost 1.5 ms an exchange, the mailbox's "
-                                   "0.15 (docs/benchmarks.md, session 56); each side's polling "
-                                   "costs a little CPU while the stream is open")
+    exchange_memory: bool = option(True, "send each draft stream's requests after its first, "
+                                   "and take their replies, through a mailbox in shared memory "
+                                   "that both sides poll, when the draft can map it (on this "
+                                   "host, or in a container that sees --feature-memory-dir; "
+                                   "x86-64 only), else on the stream: at batch 1 on an H100 "
+                                   "host it took 0.6-0.8 ms off an 8.6 ms step (the stream's "
+                                   "thread wake-ups), docs/benchmarks.md, forty-third part")
     draft_timeout_s: float = option(2.0, "deadline of one draft exchange; past it the step decodes plainly")
     connect_timeout_s: float = option(120.0, "how long connect_draft waits for the draft to be SERVING")
     init_report: Path | None = option(None, "also write the JSON init report to this file")

@@ -23,12 +23,13 @@ PROMPTS = ["def parse(text):\n", "class Config:\n", "import sys\n\n", "for key i
            "    return self._", "with open(path, 'rb') as f:\n"]
 TREE = common_pb2.DraftShape(num_draft_tokens=8, topk=4, num_steps=4)
 # How the target exchanges with the draft: each step's request in the step (the default), sent
-# at the end of the step before, with a return to speculation whose sequences generated more
-# than one token the draft has not seen decoding without it while the draft catches up, or
-# through a mailbox in shared memory after each stream's first request
+# at the end of the step before, or with a return to speculation whose sequences generated more
+# than one token the draft has not seen decoding without it while the draft catches up; each
+# through a mailbox in shared memory after a stream's first request (the default), or all on
+# the stream
 EXCHANGES = pytest.mark.parametrize(
-    "flags", [[], ["--early-exchange"], ["--defer-catch-up", "1"], ["--exchange-memory"]],
-    ids=["exchange", "early-exchange", "deferred-catch-up", "exchange-memory"])
+    "flags", [[], ["--early-exchange"], ["--defer-catch-up", "1"], ["--no-exchange-memory"]],
+    ids=["exchange", "early-exchange", "deferred-catch-up", "on-the-stream"])
 
 
 def policy(speculate: bool) -> target_pb2.ServeRequest:
@@ -85,9 +86,9 @@ def test_toggling_speculation_every_few_steps_changes_nothing(tmp_path, prompts,
         target.stop()
         draft.stop()
     assert toggled == plain
-    if "--exchange-memory" in flags:
-        assert "draft stream from" in draft.log and "continues through the mailbox" in draft.log
-        assert "; the exchange through the mailbox" in target.log
+    through_mailbox = "continues through the mailbox" in draft.log
+    assert through_mailbox == ("--no-exchange-memory" not in flags)
+    assert ("; the exchange through the mailbox" in target.log) == through_mailbox
     stats = [e.stats for e in steps]
     assert any(s.speculated for s in stats) and any(not s.speculated for s in stats[1:])
     if "--defer-catch-up" in flags:  # on from warmup's end: a step sent a catch-up alone
