@@ -4,9 +4,10 @@ target's host (the target's ``--exchange-memory``).
 On the Exchange stream a request and its reply each pass several of gRPC's threads, and at
 batch 1 each side sits idle while the other works, so every hop wakes a sleeping thread on
 an idle core: 1.46-1.48 ms of transit a step on an H100 host, where the same messages
-through shared memory, each side polling for them, took 0.13-0.17 ms (docs/benchmarks.md,
-session 56). Here the target and the draft poll a mailbox instead: a segment the target
-makes for each stream (an anonymous memfd, or a file in a directory both see, as
+through shared memory, each side polling for them, took 0.13-0.17 ms; in the stack at batch
+1 the step became 0.5-0.8 ms shorter (docs/benchmarks.md, forty-third part). Here the
+target and the draft poll a mailbox instead: a segment the target makes for each stream
+(an anonymous memfd, or a file in a directory both see, as
 :mod:`splitspec.feature_memory`'s), which the draft maps read-write.
 
 The stream stays: it carries the stream's first request, which names the mailbox

@@ -79,7 +79,7 @@ class TargetConfig:
                                    "that both sides poll, when the draft can map it (on this "
                                    "host, or in a container that sees --feature-memory-dir; "
                                    "x86-64 only), else on the stream: at batch 1 on an H100 "
-                                   "host it took 0.6-0.8 ms off an 8.6 ms step (the stream's "
+                                   "host it took 0.5-0.8 ms off an 8.6 ms step (the stream's "
                                    "thread wake-ups), docs/benchmarks.md, forty-third part")
     draft_timeout_s: float = option(2.0, "deadline of one draft exchange; past it the step decodes plainly")
     connect_timeout_s: float = option(120.0, "how long connect_draft waits for the draft to be SERVING")
