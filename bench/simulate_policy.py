@@ -185,7 +185,8 @@ def probe_spread(lines: list[str]) -> list[str]:
     after-effect weighs on the probe and the steps after it, not on those before it."""
     logs: dict[tuple[int, str, str], list[float]] = defaultdict(list)
     parts: dict[tuple[int, str, str], list[tuple[float, ...] | None]] = defaultdict(list)
-    sides: dict[tuple[int, str, str], list[tuple[float, float] | None]] = defaultdict(list)
+    # per judgement: its log ratio against both sides of the probe, before it alone, after it alone
+    sides: dict[tuple[int, str, str], list[tuple[float, float, float] | None]] = defaultdict(list)
     for line in lines:
         if found := JUDGED.search(line):
             key = (int(found[1]), found[2], found[4])
