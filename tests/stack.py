@@ -7,12 +7,28 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent import futures
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from splitspec.grpc_server import CHANNEL_OPTIONS
+from splitspec.v1 import draft_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def serve_draft_in_process(servicer: object) -> tuple[grpc.Server, str]:
+    """A draft servicer on a real gRPC server in this process, with the project's channel
+    options and a health service that answers SERVING (a reconnecting DraftLink asks it):
+    the server (to stop) and its address."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=CHANNEL_OPTIONS)
+    draft_pb2_grpc.add_DraftServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
 
 
 def free_port() -> int:

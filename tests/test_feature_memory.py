@@ -8,12 +8,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent import futures
 
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health, health_pb2_grpc
 
 from draft_service.drafter import EMPTY_TREE, SeqResult
 from draft_service.servicer import DraftServicer
@@ -22,6 +20,7 @@ from splitspec.grpc_server import CHANNEL_OPTIONS
 from splitspec.init_report import InitReport
 from splitspec.v1 import draft_pb2, draft_pb2_grpc
 from target_service.draft_client import DraftLink, Features
+from tests.stack import serve_draft_in_process
 
 ROW = 8  # bytes a row in these tests: 4 bfloat16 values
 
@@ -123,14 +122,9 @@ def draft():
     servers = []
 
     def start(wrapper=None) -> str:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=CHANNEL_OPTIONS)
-        draft_pb2_grpc.add_DraftServicer_to_server(wrapper(servicer) if wrapper else servicer,
-                                                   server)
-        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # SERVING
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
+        server, address = serve_draft_in_process(wrapper(servicer) if wrapper else servicer)
         servers.append(server)
-        return f"127.0.0.1:{port}"
+        return address
 
     yield recorder, servicer, start
     for server in servers:

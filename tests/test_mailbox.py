@@ -6,11 +6,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent import futures
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2_grpc
 
 from draft_service.drafter import SeqResult
 from draft_service.servicer import DraftServicer
@@ -21,6 +19,7 @@ from splitspec.mailbox import REFUSED, Mailbox, MailboxMap
 from splitspec.tree import Tree
 from splitspec.v1 import draft_pb2, draft_pb2_grpc
 from target_service.draft_client import DraftLink
+from tests.stack import serve_draft_in_process
 
 pytestmark = pytest.mark.skipif(bool(mailbox.supported()), reason=mailbox.supported())
 
@@ -136,16 +135,10 @@ def draft():
     servers, links = [], []
 
     def start(wrapper=None) -> DraftLink:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), options=CHANNEL_OPTIONS)
-        draft_pb2_grpc.add_DraftServicer_to_server(wrapper(servicer) if wrapper else servicer,
-                                                   server)
-        health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)  # SERVING
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
+        server, address = serve_draft_in_process(wrapper(servicer) if wrapper else servicer)
         servers.append(server)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
-        link = DraftLink(f"127.0.0.1:{port}", channel, servicer.info, timeout_s=5.0,
-                         exchange_memory=True)
+        channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        link = DraftLink(address, channel, servicer.info, timeout_s=5.0, exchange_memory=True)
         links.append(link)
         return link
 
