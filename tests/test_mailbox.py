@@ -240,3 +240,16 @@ def test_no_mailbox_where_the_draft_cannot_open_it(draft, caplog):
     assert "not through a mailbox: cannot open it here" in caplog.text
     assert link.exchange(request(1)).reply.step == 1
     assert link.exchange(request(2)).reply.step == 2
+
+
+def test_a_host_that_cannot_use_a_mailbox_keeps_the_exchange_on_the_stream(draft, caplog,
+                                                                        monkeypatch):
+    """Not x86-64 (the mailbox relies on its store order): the link says why once, makes no
+    mailbox, and every exchange travels on the stream."""
+    _, start = draft
+    monkeypatch.setattr(mailbox.platform, "machine", lambda: "aarch64")
+    caplog.set_level(logging.INFO)
+    link = start()
+    assert link.mailbox == "" and not link.exchange_memory
+    assert "relies on x86-64's store order; this host is aarch64" in caplog.text
+    assert [link.exchange(request(step)).reply.step for step in (1, 2, 3)] == [1, 2, 3]
