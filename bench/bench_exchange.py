@@ -8,10 +8,10 @@ exchange. Each request carries ``--feature-bytes`` of hidden states, as the targ
 catch-up does: on the stream, or through the target's shared memory (``--via memory``: the
 link's FeatureRing, which the stand-in reads the way the draft service does), or so and
 the requests after the first and their replies through a mailbox (``--via mailbox``: the
-target's ``--exchange-memory``, splitspec/mailbox.py). Reported per setting: the median of the exchange's wall time less the
-draft's work (the transit), and its two halves, timed across the processes with the
-wall clock: target to draft (the request queued until the draft's handler has it) and back
-(the reply built until ``exchange`` returns it).
+target's ``--exchange-memory``, splitspec/mailbox.py). Reported per setting: the median of
+the exchange's wall time less the draft's work (the transit), and its two halves, timed
+across the processes with the wall clock: target to draft (the request queued until the
+draft's handler has it) and back (the reply built until ``exchange`` returns it).
 
 With no work on either side the two processes ping-pong on warm cores; with work, each
 waits idle while the other computes, as the services do at batch 1, and every hop wakes
