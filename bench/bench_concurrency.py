@@ -663,6 +663,24 @@ def render(report: dict[str, Any], args: argparse.Namespace) -> None:
         print(f"plot: {args.out_png}", file=sys.stderr)
 
 
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user and system, all threads) used so far by this process ("client": the
+    benchmark plays the clients and the gateway, adaptive's policy included) and by each
+    named process (the target and draft it started), from /proc; {} where there is none. On
+    2 CPU cores every process's share comes out of the others': a run's figures tell which
+    one's work grew (the clock ticks are 10 ms: enough over runs of seconds)."""
+    if not Path("/proc/self/stat").exists():
+        return {}
+    tick = os.sysconf("SC_CLK_TCK")
+    used = {"client": time.process_time()}
+    for name, pid in pids.items():
+        # the fields after the command name's closing parenthesis; utime and stime are the
+        # stat file's 14th and 15th
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        used[name] = (int(fields[11]) + int(fields[12])) / tick
+    return used
+
+
 def draft_counts(draft: draft_pb2_grpc.DraftStub | None) -> tuple[int, int]:
     """The draft's (trees, replay misses) since it started; (0, 0) without a draft stub."""
     if draft is None:
@@ -722,9 +740,12 @@ def settled(policy: AdaptivePolicy, concurrency: int, modes_before: list[int]) -
 
 def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
           args: argparse.Namespace, report: dict[str, Any],
-          draft: draft_pb2_grpc.DraftStub | None = None) -> None:
+          draft: draft_pb2_grpc.DraftStub | None = None,
+          pids: dict[str, int] | None = None) -> None:
     """Run every concurrency, appending to report["results"] (and saving it) as each ends;
-    with `draft` (the replay draft's stub), each timed run's trees and replay misses too."""
+    with `draft` (the replay draft's stub), each timed run's trees and replay misses too;
+    each timed run's CPU seconds (:func:`cpu_seconds`: this process's and those of ``pids``,
+    name -> process id)."""
     num, topk, steps = SHAPES[args.shape]
     shape = common_pb2.DraftShape(num_draft_tokens=num, topk=topk, num_steps=steps)
     static = static_policy(args.static_threshold, shape)
@@ -744,7 +765,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         keys = ["tokens_per_s", "steady_tokens_per_s", "wall_s", "accepted_per_verify_step",
                 "speculated_step_share",
                 "mean_decode_batch", "mixed_step_share", "mixed_step_ms", "decode_step_ms",
-                "eager_step_share", "budget_step_shares", "first_token_ms", "request_ms"] + (
+                "eager_step_share", "budget_step_shares", "first_token_ms", "request_ms",
+                "cpu_s"] + (
                     ["draft_trees", "replay_misses"] if draft else [])
         entry: dict[str, Any] = {"concurrency": concurrency, "num_prompts": len(prompts),
                                  **{key: {mode: [] for mode in modes} for key in keys},
@@ -790,7 +812,11 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         for repeat in range(args.repeats):
             for mode in round_order(modes, repeat, args.order):  # interleaved: drift hits all
                 trees, misses = draft_counts(draft)
+                cpu_before = cpu_seconds(pids or {})
                 stats = run_target(stub, prompts, lengths, runs[mode], concurrency)
+                cpu = {name: round(used - cpu_before[name], 3)
+                       for name, used in cpu_seconds(pids or {}).items()}
+                entry["cpu_s"][mode].append(cpu)
                 write_trace(args.step_trace, concurrency, mode, repeat, stats)
                 entry["tokens_per_s"][mode].append(stats.tokens_per_s)
                 entry["steady_tokens_per_s"][mode].append(steady_tokens_per_s(stats))
@@ -825,7 +851,8 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
                       f"{eager_share(stats):.0%} eager, budgets "
                       f"{', '.join(f'{b}: {v:.0%}' for b, v in budgets.items())}, "
                       f"{stats.mean_accepted:.2f} accepted per verify step{replay}; first "
-                      f"token {first_ms:.1f} ms, request {request_ms:.0f} ms, medians); "
+                      f"token {first_ms:.1f} ms, request {request_ms:.0f} ms, medians; CPU "
+                      f"{', '.join(f'{name} {used:.2f} s' for name, used in cpu.items())}); "
                       f"{time.perf_counter() - start:.0f} s so far", file=sys.stderr, flush=True)
         report["results"].append(entry)
         save_json(report, args.out_json)  # partial: a long sweep that dies keeps what it ran
@@ -1125,7 +1152,11 @@ def main(argv: list[str] | None = None) -> int:
         if replay and not info.draft_model_name.startswith(f"{REPLAY}("):
             raise SystemExit(f"target {args.target}'s draft is {info.draft_model_name!r}, not "
                              "the replay draft started here")
-        sweep(stub, prompts, args, report, draft)
+        # start_stack's processes: the draft (unless killed above), then the target
+        pids = {"draft": procs[0].pid, "target": procs[1].pid} if procs else {}
+        if args.draft_down:
+            del pids["draft"]
+        sweep(stub, prompts, args, report, draft, pids)
     finally:
         if draft_channel is not None:
             draft_channel.close()

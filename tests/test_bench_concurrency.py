@@ -4,6 +4,7 @@ refusals, and (slow) a replay-draft sweep end to end on CPU."""
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -343,6 +344,10 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
         assert all(rates[0] > 0 for rates in entry["steady_tokens_per_s"].values())
         for mode, (first_ms,) in entry["first_token_ms"].items():  # the client's view
             assert 0 < first_ms < entry["request_ms"][mode][0], mode
+        for mode, (cpu,) in entry["cpu_s"].items():  # the run's CPU, process by process
+            assert set(cpu) == {"client", "target", "draft"} and cpu["target"] > 0, (mode, cpu)
+            assert cpu["target"] <= 2 * os.cpu_count() * entry["wall_s"][mode][0], (mode, cpu)
+        assert entry["cpu_s"]["ON"][0]["draft"] > 0  # it drafted: the draft worked
         work = sum(bc.request_lengths(entry["num_prompts"], 8, 0.5))  # the spread lengths
         for mode, rates in entry["tokens_per_s"].items():
             assert round(rates[0] * entry["wall_s"][mode][0]) == work, mode
