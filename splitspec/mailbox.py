@@ -123,9 +123,15 @@ class _Slots:
         self.bytes[at:at + LENGTH.size] = np.frombuffer(LENGTH.pack(len(raw)), np.uint8)
         self.bytes[at + LENGTH.size:at + LENGTH.size + len(raw)] = np.frombuffer(raw, np.uint8)
 
-    def read(self, direction: int, n: int) -> bytes | None:
+    def length(self, direction: int, n: int) -> int:
+        """Message ``n``'s length in its slot (ON_STREAM: it travels on the stream)."""
         at = self._at(direction, n)
         (length,) = LENGTH.unpack(self.bytes[at:at + LENGTH.size].tobytes())
+        return length
+
+    def read(self, direction: int, n: int) -> bytes | None:
+        at = self._at(direction, n)
+        length = self.length(direction, n)
         if length == ON_STREAM:
             return None
         if not 0 <= length <= self.slot_bytes:
@@ -173,6 +179,18 @@ class Mailbox:
     def waiting(self) -> int:
         """Replies posted and not yet taken."""
         return int(self._slots.counters[REPLIED]) - self.read
+
+    @property
+    def in_slots(self) -> int:
+        """Replies waiting whose bytes are in their slots: those not marked to come on the
+        stream (such a reply is in once the stream has brought it)."""
+        return sum(self._slots.length(1, n) != ON_STREAM
+                   for n in range(self.read, self.read + self.waiting))
+
+    @property
+    def next_in_slot(self) -> bool:
+        """Whether the next reply is waiting in its slot (not marked to come on the stream)."""
+        return self.waiting > 0 and self._slots.length(1, self.read) != ON_STREAM
 
     def take(self) -> bytes | None:
         """The next reply (:attr:`waiting` must be > 0): its bytes, or None when it comes on

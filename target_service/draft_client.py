@@ -396,9 +396,10 @@ class DraftLink:
         """Whether :meth:`receive` would take ``sent``'s reply without waiting: a reply (or
         the stream's end) is in, or its deadline has passed, or it was never sent. (A late
         reply to an earlier request also counts: receive then drops it and waits, within the
-        deadline, for this one's.)"""
+        deadline, for this one's.) A reply the mailbox marks as coming on the stream is in
+        once the stream has brought it."""
         return (bool(sent.error) or not self._replies.empty()
-                or (self._box is not None and self._box.waiting > 0)
+                or (self._box is not None and self._box.next_in_slot)
                 or time.monotonic() >= sent.deadline)
 
     def owes(self) -> bool:
@@ -411,7 +412,7 @@ class DraftLink:
         once; until then a step asks again only after owed_for."""
         return (self._silent > 0 and self._call is not None
                 and self._answered + self._replies.qsize()
-                + (self._box.waiting if self._box is not None else 0) < self._sent
+                + (self._box.in_slots if self._box is not None else 0) < self._sent
                 and time.monotonic() - self._late_at < self.owed_for)
 
     @property

@@ -40,7 +40,13 @@ def test_requests_and_replies_pass_through_the_slots_in_order():
         box.post(None)
         assert peer.next_request(never) == (True, None)
         peer.post(None)
+        assert box.waiting == 1 and box.in_slots == 0 and not box.next_in_slot
         assert box.take() is None
+        box.post(b"one more")
+        assert peer.next_request(never) == (True, b"one more")
+        peer.post(b"in its slot")
+        assert box.waiting == 1 and box.in_slots == 1 and box.next_in_slot
+        assert box.take() == b"in its slot"
         # no slot is written before its reply was read: two requests out, none read
         box.post(b"a")
         box.post(b"b")
@@ -177,6 +183,39 @@ def test_the_exchange_goes_through_the_mailbox_after_a_streams_first_request(dra
         assert time.monotonic() < deadline
         time.sleep(0.001)
     assert link._box.waiting == 1 and link.receive(sent).reply.step == 6
+
+
+class SlowStream(draft_pb2_grpc.DraftServicer):
+    """Sends every reply the stream carries after the first (those the mailbox marks as
+    too big for a slot) 0.3 s late, as a big message can take its time on the stream."""
+
+    def __init__(self, inner: DraftServicer) -> None:
+        self.inner = inner
+        self.AttachFeatureMemory = inner.AttachFeatureMemory
+        self.GetInfo, self.GetInitReport = inner.GetInfo, inner.GetInitReport
+
+    def Exchange(self, request_iterator, context):
+        for n, reply in enumerate(self.inner.Exchange(request_iterator, context)):
+            if n:
+                time.sleep(0.3)
+            yield reply
+
+
+def test_a_reply_marked_in_the_mailbox_is_in_once_the_stream_brought_it(draft):
+    """ready() and owes() do not count a reply the mailbox marks as coming on the stream
+    until the stream has brought it (receive would wait for it)."""
+    _, start = draft
+    link = start(SlowStream)
+    assert link.exchange(request(1)).reply is not None  # the stream's first
+    sent = link.send(request(2, 400_000))  # its echo does not fit a slot
+    deadline = time.monotonic() + 5
+    while link._box.waiting == 0:  # marked in its slot, on its way on the stream
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert not link.ready(sent) and link._box.in_slots == 0
+    result = link.receive(sent)
+    assert result.reply is not None and result.reply.step == 2
+    assert link.exchange(request(3)).reply.step == 3  # then the mailbox again
 
 
 def test_a_late_reply_in_the_mailbox_is_owed_then_dropped(draft, monkeypatch):
