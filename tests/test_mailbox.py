@@ -3,6 +3,7 @@ DraftLink against the real DraftServicer through it (--exchange-memory)."""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -21,6 +22,7 @@ from splitspec.v1 import draft_pb2, draft_pb2_grpc
 from target_service.draft_client import DraftLink
 from tests.stack import serve_draft_in_process
 
+PR_SET_TIMERSLACK, PR_GET_TIMERSLACK = 29, 30  # prctl(2)
 pytestmark = pytest.mark.skipif(bool(mailbox.supported()), reason=mailbox.supported())
 
 
@@ -76,6 +78,24 @@ def test_a_wait_ends_at_its_deadline_or_when_told_to_stop():
     finally:
         peer.close()
         box.close()
+
+
+def test_a_thread_that_waits_gets_a_tight_timer_slack():
+    """A waiting thread's looks are not left to wake up to 50 us late (Linux's default timer
+    slack): its first wait sets its slack to TIMER_SLACK_NS."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    slack = {}
+
+    def wait_once() -> None:
+        libc.prctl(PR_SET_TIMERSLACK, 50_000, 0, 0, 0)  # (a new thread inherits its maker's)
+        slack["before"] = libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)
+        mailbox.wait_for(lambda: True)
+        slack["after"] = libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)
+
+    thread = threading.Thread(target=wait_once)
+    thread.start()
+    thread.join()
+    assert slack == {"before": 50_000, "after": mailbox.TIMER_SLACK_NS}
 
 
 def test_a_segment_that_is_not_a_mailbox_of_this_shape_is_refused(tmp_path):
