@@ -136,14 +136,18 @@ class Echo:
                           "") for item in seqs]
 
 
-class Refusing(draft_pb2_grpc.DraftServicer):
-    """Answers AttachFeatureMemory as the real draft does, and names a mailbox that cannot
-    be opened to its Exchange (as a draft would see one it may not write)."""
+class Wrapped(draft_pb2_grpc.DraftServicer):
+    """The real servicer's calls, for a subclass to change its Exchange."""
 
     def __init__(self, inner: DraftServicer) -> None:
         self.inner = inner
         self.AttachFeatureMemory = inner.AttachFeatureMemory
         self.GetInfo, self.GetInitReport = inner.GetInfo, inner.GetInitReport
+
+
+class Refusing(Wrapped):
+    """Answers AttachFeatureMemory as the real draft does, and names a mailbox that cannot
+    be opened to its Exchange (as a draft would see one it may not write)."""
 
     def Exchange(self, request_iterator, context):
         def renamed():
@@ -205,14 +209,9 @@ def test_the_exchange_goes_through_the_mailbox_after_a_streams_first_request(dra
     assert link._box.waiting == 1 and link.receive(sent).reply.step == 6
 
 
-class SlowStream(draft_pb2_grpc.DraftServicer):
+class SlowStream(Wrapped):
     """Sends every reply the stream carries after the first (those the mailbox marks as
     too big for a slot) 0.3 s late, as a big message can take its time on the stream."""
-
-    def __init__(self, inner: DraftServicer) -> None:
-        self.inner = inner
-        self.AttachFeatureMemory = inner.AttachFeatureMemory
-        self.GetInfo, self.GetInitReport = inner.GetInfo, inner.GetInitReport
 
     def Exchange(self, request_iterator, context):
         for n, reply in enumerate(self.inner.Exchange(request_iterator, context)):
