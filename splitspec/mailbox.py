@@ -98,7 +98,8 @@ def tighten_timer_slack() -> None:
     if _prctl is None or getattr(_slack_set, "done", False):
         return
     _slack_set.done = True
-    if _prctl(_PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0) != 0:
+    zero = ctypes.c_ulong(0)  # (prctl's arguments after the option are unsigned longs)
+    if _prctl(_PR_SET_TIMERSLACK, ctypes.c_ulong(TIMER_SLACK_NS), zero, zero, zero) != 0:
         log.warning("could not set this thread's timer slack (errno %d): the mailbox's waits "
                     "wake up to 50 us late", ctypes.get_errno())
 
