@@ -211,12 +211,12 @@ def test_the_exchange_goes_through_the_mailbox_after_a_streams_first_request(dra
 
 class SlowStream(Wrapped):
     """Sends every reply the stream carries after the first (those the mailbox marks as
-    too big for a slot) 0.3 s late, as a big message can take its time on the stream."""
+    too big for a slot) 1 s late, as a big message can take its time on the stream."""
 
     def Exchange(self, request_iterator, context):
         for n, reply in enumerate(self.inner.Exchange(request_iterator, context)):
             if n:
-                time.sleep(0.3)
+                time.sleep(1.0)
             yield reply
 
 
