@@ -84,13 +84,15 @@ def test_a_thread_that_waits_gets_a_tight_timer_slack():
     """A waiting thread's looks are not left to wake up to 50 us late (Linux's default timer
     slack): its first wait sets its slack to TIMER_SLACK_NS."""
     libc = ctypes.CDLL(None, use_errno=True)
+    zero = ctypes.c_ulong(0)  # (prctl's arguments after the option are unsigned longs)
     slack = {}
 
     def wait_once() -> None:
-        libc.prctl(PR_SET_TIMERSLACK, 50_000, 0, 0, 0)  # (a new thread inherits its maker's)
-        slack["before"] = libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)
+        # (a new thread inherits its maker's slack: start from the default)
+        libc.prctl(PR_SET_TIMERSLACK, ctypes.c_ulong(50_000), zero, zero, zero)
+        slack["before"] = libc.prctl(PR_GET_TIMERSLACK, zero, zero, zero, zero)
         mailbox.wait_for(lambda: True)
-        slack["after"] = libc.prctl(PR_GET_TIMERSLACK, 0, 0, 0, 0)
+        slack["after"] = libc.prctl(PR_GET_TIMERSLACK, zero, zero, zero, zero)
 
     thread = threading.Thread(target=wait_once)
     thread.start()
@@ -221,8 +223,9 @@ class SlowStream(Wrapped):
 
 
 def test_a_reply_marked_in_the_mailbox_is_in_once_the_stream_brought_it(draft):
-    """ready() and owes() do not count a reply the mailbox marks as coming on the stream
-    until the stream has brought it (receive would wait for it)."""
+    """ready() does not count a reply the mailbox marks as coming on the stream until the
+    stream has brought it (receive would wait for it), nor does owes(), which counts the
+    mailbox's replies by in_slots."""
     _, start = draft
     link = start(SlowStream)
     assert link.exchange(request(1)).reply is not None  # the stream's first
