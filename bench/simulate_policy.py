@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import gzip
+import hashlib
 import json
 import logging
 import math
@@ -55,7 +56,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from gateway.policy import AdaptivePolicy, adaptive_shapes, requests_out
+from gateway.policy import AdaptivePolicy, adaptive_shapes, describe_policy, requests_out
 from splitspec.v1 import common_pb2, target_pb2
 from target_service.engine import shape_for
 
@@ -103,13 +104,14 @@ def adaptive_steps(paths: list[Path], concurrency: int, mode: str = "adaptive"
 
 
 def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], AdaptivePolicy],
-           mode: str = "adaptive") -> list[str]:
+           mode: str = "adaptive", tables: bool = False) -> list[str]:
     """Feeds the adaptive runs (or ``mode``'s) at ``concurrency`` (its untimed runs first, in
     the recorded order) to one fresh policy, as ``bench_concurrency.py`` did, and returns
     each judgement and switch the policy logged, a line each (prefixed with the run, -1
-    untimed, and the step of that run the policy had just observed). With the policy the
-    target ran, its decisions are the recorded run's; with another, the replay
-    follows the recorded steps only until its first different decision."""
+    untimed, and the step of that run the policy had just observed); with ``tables``, each
+    table it sent the target too. With the policy the target ran, its decisions are the
+    recorded run's; with another, the replay follows the recorded steps only until its
+    first different decision."""
     lines: list[str] = []
     where = (0, 0)  # the run and step the policy is observing
 
@@ -125,11 +127,27 @@ def replay(paths: list[Path], concurrency: int, make_policy: Callable[[], Adapti
         policy = make_policy()
         for run, step, stats, in_flight in adaptive_steps(paths, concurrency, mode):
             where = (run, step)
-            policy.observe(stats, in_flight)
+            sent = policy.observe(stats, in_flight)
+            if tables and sent is not None:
+                lines.append(f"run {run} step {step}: table {describe_policy(sent)}")
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
     return lines
+
+
+def digests(path: Path) -> Iterator[tuple[int, int, str]]:
+    """Per concurrency of a trace's adaptive runs (ascending): the lines :func:`replay` gives
+    with the tables, and their SHA-256, with the gateway's default policy. The check of a
+    change to the policy meant to leave its decisions alone (one that makes it cheaper):
+    the same digests before and after it, over the stored traces, mean the same
+    judgements at the same ratios (as logged), the same switches and the same table sent
+    at every step."""
+    found = sorted({run["concurrency"] for run in _read_runs(path) if run["mode"] == "adaptive"})
+    for concurrency in found:
+        lines = replay([path], concurrency, lambda: AdaptivePolicy(adaptive_shapes("", TREE)),
+                       tables=True)
+        yield concurrency, len(lines), hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
 def observe_cost(paths: list[Path], concurrency: int, repeats: int = 3) -> float:
@@ -521,6 +539,12 @@ def main(argv: list[str] | None = None) -> int:
                              "per pair of modes (probe_spread); with the policy the target "
                              "ran, its decisions are the recorded ones; with --variant, the "
                              "same for the traces' variant runs, replayed with those settings")
+    parser.add_argument("--digest", action="store_true",
+                        help="instead: replay each trace's adaptive runs with the default "
+                             "policy and print, per trace and concurrency, a digest of its "
+                             "decisions (judgements, switches, the table at each step), then "
+                             "one of them all: equal before and after a change to the policy "
+                             "that must not change what it decides")
     parser.add_argument("--time-observe", action="store_true",
                         help="with --replay: also time one AdaptivePolicy.observe call on "
                              "these steps (the gateway's work a step)")
@@ -547,6 +571,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.batches:
         for line in batch_lines(args.traces):
             print(line)
+        return 0
+    if args.digest:
+        every = hashlib.sha256()
+        for path in args.traces:
+            for concurrency, count, digest in digests(path):
+                print(f"{path.name} concurrency {concurrency}: {count} lines, {digest[:16]}")
+                every.update(digest.encode())
+        print(f"all: {every.hexdigest()[:16]}")
         return 0
     if args.steps <= args.settle or min(args.seeds, args.window) < 1:
         parser.error("--steps must exceed --settle, and --seeds and --window be >= 1")

@@ -505,3 +505,26 @@ def test_batches_tells_how_often_the_next_request_joined_the_next_step(tmp_path,
     assert sp.main([str(path), "--batches"]) == 0
     line = capsys.readouterr().out.strip()
     assert line.endswith("; the next request joined the next step after 1 of 2 ends (50%)")
+
+
+def test_the_digest_of_a_traces_decisions_changes_with_any_decision(capsys, monkeypatch):
+    """--digest replays a trace's adaptive runs and hashes what the policy decided: its
+    judgements, its switches and the table it sent at every step that changed it. The same
+    policy gives the same digest; one that switches on a single probe (confirm 1: the chain
+    at step 17 of session 38's 64-stream run) gives another."""
+    lines = sp.replay([SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE)),
+                      tables=True)
+    tables = [line for line in lines if ": table " in line]
+    assert tables and all(re.fullmatch(r"run -?\d+ step \d+: table .*batch.*", t) for t in tables)
+    assert [line for line in lines if ": table " not in line] == sp.replay(
+        [SESSION38_64], 64, lambda: AdaptivePolicy(adaptive_shapes("", sp.TREE)))
+    assert sp.main([str(SESSION38_64), "--digest"]) == 0
+    first = capsys.readouterr().out
+    at_64 = rf"{SESSION38_64.name} concurrency 64: {len(lines)} lines, [0-9a-f]{{16}}"
+    assert re.search(rf"(?m)^{at_64}$", first) and re.search(r"\nall: [0-9a-f]{16}\n$", first)
+    assert sp.main([str(SESSION38_64), "--digest"]) == 0
+    assert capsys.readouterr().out == first
+    monkeypatch.setattr(sp, "AdaptivePolicy", lambda shapes: AdaptivePolicy(shapes, **ONE_PROBE))
+    assert sp.main([str(SESSION38_64), "--digest"]) == 0
+    other = capsys.readouterr().out
+    assert not re.search(rf"(?m)^{at_64}$", other) and other.splitlines()[-1] != first.splitlines()[-1]
