@@ -427,8 +427,8 @@ class AdaptivePolicy:
         self._count_prompts((stats.prefill_tokens, stats.committed_tokens,
                              stats.finished_prompt_tokens, stats.finished_generated_tokens,
                              stats.finished_requests))
-        if stats.batch_size == 0 or stats.period_s <= 0 or mode is None:
-            return None  # prompts alone say nothing about decode speed
+        if stats.batch_size == 0 or not 0 < stats.period_s < math.inf or mode is None:
+            return None  # prompts alone (or a period not measured) say nothing of decode speed
         if stats.draft_unavailable:
             # Decoded plainly for want of the draft (down, or late): it says nothing of what
             # the modes cost, and a probe under way waits for it to come back. The next

@@ -1025,3 +1025,10 @@ def test_a_step_that_changes_no_buckets_mode_rebuilds_no_table():
     rebuilt = policy._build()
     assert rebuilt is not table and shape_for(rebuilt, 1, DEFAULT).num_draft_tokens == 0
     assert policy._build() is rebuilt
+
+
+@pytest.mark.parametrize("period", [math.inf, math.nan])
+def test_a_step_whose_period_is_not_a_time_is_left_out(period):
+    policy = AdaptivePolicy([DEFAULT])
+    assert policy.observe(step(1, True, period, accepted=2)) is None
+    assert not policy.buckets[1].window and not policy.buckets[1].batches
