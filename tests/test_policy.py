@@ -3,9 +3,11 @@
 import math
 import random
 import types
+from fractions import Fraction
 
 import pytest
 
+from gateway import policy as policy_module
 from gateway.policy import ANY_BATCH_SIZE, AdaptivePolicy, adaptive_shapes, bucket_of, parse_table
 from splitspec.v1 import common_pb2, target_pb2
 from target_service.engine import NO_SPECULATION, shape_for
@@ -1032,3 +1034,27 @@ def test_a_step_whose_period_is_not_a_time_is_left_out(period):
     policy = AdaptivePolicy([DEFAULT])
     assert policy.observe(step(1, True, period, accepted=2)) is None
     assert not policy.buckets[1].window and not policy.buckets[1].batches
+
+
+def test_the_window_of_the_mode_in_use_keeps_exact_sums_as_samples_come_and_go():
+    """Each step reads the window's mean period and rate from sums kept as samples come and
+    go. They are exact: a long step that left the window leaves nothing of itself behind
+    (a running sum in floats would keep its rounding error, here larger than the rest)."""
+    window = policy_module._Window()
+    rng = random.Random(3)
+    samples = [policy_module.Sample(1e6, 0.0)] + [
+        policy_module.Sample(rng.uniform(1e-4, 1e-2), rng.choice([0.0, 0.5, 1.25]))
+        for _ in range(3 * policy_module.WINDOW)]
+    for i, sample in enumerate(samples):
+        window.append(sample)
+        kept = samples[max(i + 1 - policy_module.WINDOW, 0):i + 1]
+        periods = sum(map(Fraction, (s.period for s in kept)))
+        tokens = sum(map(Fraction, (1 + s.gain for s in kept)))
+        assert len(window) == len(kept)
+        assert window.mean_period() == float(periods / len(kept))
+        assert window.rate() == float(tokens / periods)
+    assert window.last(3) == samples[-3:]
+    window.clear()
+    window.append(samples[1])
+    only = samples[1]
+    assert window.mean_period() == only.period and window.rate() == (1 + only.gain) / only.period
