@@ -18,7 +18,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -218,9 +219,11 @@ class ServiceDied(Exception):
 
 
 class Child:
-    """A running service process whose output is copied, prefixed with its name, to stderr."""
+    """A running service process whose output is copied, prefixed with its name, to stderr
+    (held back, in order, while :meth:`holding_output`)."""
 
     _print_lock = threading.Lock()
+    _held: list[str] | None = None  # every child's lines kept back, while held
 
     def __init__(self, spec: ChildSpec) -> None:
         self.name = spec.name
@@ -236,8 +239,28 @@ class Child:
         assert self.proc.stdout is not None, "started with stdout=PIPE"
         for line in self.proc.stdout:
             with self._print_lock:
-                sys.stderr.write(f"{self.name:>7} | {line}")
-                sys.stderr.flush()
+                if Child._held is not None:
+                    Child._held.append(f"{self.name:>7} | {line}")
+                else:
+                    sys.stderr.write(f"{self.name:>7} | {line}")
+                    sys.stderr.flush()
+
+    @classmethod
+    @contextmanager
+    def holding_output(cls) -> Iterator[None]:
+        """Keep every child's output back while a completion streams to the terminal (their
+        log lines broke into its text), and print it after, in order."""
+        with cls._print_lock:
+            cls._held = []
+        try:
+            yield
+        finally:
+            with cls._print_lock:
+                held, cls._held = cls._held or [], None
+                if held:
+                    sys.stderr.write("splitspec up: the services' output while it streamed:\n")
+                    sys.stderr.writelines(held)
+                    sys.stderr.flush()
 
     def check_alive(self) -> None:
         """Raise ServiceDied when the process has exited."""
@@ -313,10 +336,12 @@ def cmd_up(args: argparse.Namespace) -> int:
             print(f"splitspec up: starting {spec.name}: {' '.join(spec.argv)}", file=sys.stderr)
             children.append(Child(spec))
         wait_until_serving(gateway_address, children, args.startup_timeout_s)
-        print(f"splitspec up: SERVING at {gateway_address}", file=sys.stderr)
         if args.generate is not None:
             request = CompletionRequest(args.generate, args.max_new_tokens, args.speculation, ())
-            return stream_completion(gateway_address, request)
+            with Child.holding_output():  # (from before the line that says so)
+                print(f"splitspec up: SERVING at {gateway_address}", file=sys.stderr)
+                return stream_completion(gateway_address, request)
+        print(f"splitspec up: SERVING at {gateway_address}", file=sys.stderr)
         watch(children)
     except StopRequested as exc:  # the way out of `up`: stop the stack cleanly
         print(f"splitspec up: {exc}: stopping the gateway (requests in flight get up to "
