@@ -338,7 +338,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         wait_until_serving(gateway_address, children, args.startup_timeout_s)
         if args.generate is not None:
             request = CompletionRequest(args.generate, args.max_new_tokens, args.speculation, ())
-            with Child.holding_output():  # (from before the line that says so)
+            with Child.holding_output():  # (from before the SERVING line: none lands after it)
                 print(f"splitspec up: SERVING at {gateway_address}", file=sys.stderr)
                 return stream_completion(gateway_address, request)
         print(f"splitspec up: SERVING at {gateway_address}", file=sys.stderr)
