@@ -39,7 +39,7 @@ def test_up_generate_prints_text_and_stops_every_service():
     """On one terminal (stdout and stderr together) the completion comes out whole: the
     services' log lines from while it streamed are held back and printed after it, none
     lost. (The adaptive policy's first probe comes mid-stream, after 16 speculative steps,
-    about 45 tokens, and the gateway and the target log the table that starts it.)"""
+    about 40 tokens, and the gateway and the target log the table that starts it.)"""
     argv, ports = up("--generate", "def fibonacci(n):", "--max-new-tokens", "96")
     done = subprocess.run(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
