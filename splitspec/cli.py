@@ -42,6 +42,7 @@ DRAFT_KINDS = ("eagle3", "standalone", "none")
 STOP_GRACE_S = 5.0  # after SIGTERM, before SIGKILL: the target and the draft
 UP_DRAIN_S = 10.0  # the gateway's --drain-timeout-s under `up`: Ctrl-C waits this long at most
 GATEWAY_STOP_S = UP_DRAIN_S + 5.0  # its drain, its server's grace, then SIGKILL
+UP_GENERATE_TIMEOUT_S = 600.0  # `up --generate`: a stuck stack stops rather than waits
 
 
 # --- generate ------------------------------------------------------------------------------
@@ -86,23 +87,26 @@ def format_spec(spec: common_pb2.SpecStats) -> str:
             f"acceptance by depth: {by_depth}")
 
 
-def stream_completion(address: str, request: CompletionRequest, out: TextIO | None = None,
-                      err: TextIO | None = None) -> int:
+def stream_completion(address: str, request: CompletionRequest, timeout_s: float | None = None,
+                      out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Stream one completion to ``out`` (stdout) and its statistics to ``err`` (stderr);
-    return an exit code."""
+    return an exit code. ``timeout_s`` is the call's deadline (None: none): past it the
+    gateway cancels the request and the text so far stays printed."""
     out = out or sys.stdout
     err = err or sys.stderr
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         final = None
         try:
-            for response in stub.GenerateStream(request.to_pb()):
+            for response in stub.GenerateStream(request.to_pb(), timeout=timeout_s):
                 out.write(response.text)
                 out.flush()
                 if response.finish_reason:
                     final = response
         except grpc.RpcError as exc:  # the command's result: printed, exit code 1
-            print(f"\nsplitspec: {exc.code().name}: {exc.details()}", file=err)
+            hint = (f" (no final message within the deadline, {timeout_s:g} s)"
+                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "")
+            print(f"\nsplitspec: {exc.code().name}: {exc.details()}{hint}", file=err)
             return 1
     out.write("\n")
     if final is None:
@@ -114,7 +118,7 @@ def stream_completion(address: str, request: CompletionRequest, out: TextIO | No
 
 def cmd_generate(args: argparse.Namespace) -> int:
     request = CompletionRequest(args.text, args.max_new_tokens, args.speculation, tuple(args.stop))
-    return stream_completion(args.address, request)
+    return stream_completion(args.address, request, timeout_s=args.timeout_s)
 
 
 # --- status --------------------------------------------------------------------------------
@@ -340,7 +344,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             request = CompletionRequest(args.generate, args.max_new_tokens, args.speculation, ())
             with Child.holding_output():  # (from before the SERVING line: none lands after it)
                 print(f"splitspec up: SERVING at {gateway_address}", file=sys.stderr)
-                return stream_completion(gateway_address, request)
+                return stream_completion(gateway_address, request,
+                                         timeout_s=args.generate_timeout_s)
         print(f"splitspec up: SERVING at {gateway_address}", file=sys.stderr)
         watch(children)
     except StopRequested as exc:  # the way out of `up`: stop the stack cleanly
@@ -458,6 +463,17 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) if shown else action.help
 
 
+def _deadline(text: str) -> float | None:
+    """A --timeout-s value: seconds, where 0 means no deadline."""
+    try:
+        seconds = float(text)
+    except ValueError as exc:  # argparse's usage error, naming the flag
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from exc
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (got {text})")
+    return seconds or None
+
+
 def build_parser() -> argparse.ArgumentParser:
     formatter = _Formatter
     parser = argparse.ArgumentParser(prog="splitspec", formatter_class=formatter,
@@ -506,6 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-new-tokens", type=int, default=64, help="length limit for --generate")
     up.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
                     help="speculation mode for --generate")
+    up.add_argument("--generate-timeout-s", type=_deadline, default=UP_GENERATE_TIMEOUT_S,
+                    help="--generate's deadline, from SERVING to its last token: past it the "
+                         "stack stops and the command exits 1; 0 = none")
     up.set_defaults(func=cmd_up)
 
     gen = commands.add_parser("generate", formatter_class=formatter,
@@ -521,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: the gateway's policy; on: always; off: never")
     gen.add_argument("--stop", action="append", default=[], metavar="S",
                      help="stop string (repeat for several); not included in the output")
+    gen.add_argument("--timeout-s", type=_deadline, default=None,
+                     help="the call's deadline: past it the gateway cancels the request and the "
+                          "command exits 1, with the text so far printed (default or 0: none)")
     gen.set_defaults(func=cmd_generate)
 
     status = commands.add_parser("status", formatter_class=formatter,

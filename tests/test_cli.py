@@ -63,6 +63,24 @@ def test_generate_flags() -> None:
     assert (args.text, args.stop, args.speculation, args.max_new_tokens) == ("hi", ["a", "b"], "off", 5)
 
 
+def test_deadline_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    parse = build_parser().parse_args
+    assert parse(["generate", "hi"]).timeout_s is None
+    assert parse(["generate", "hi", "--timeout-s", "2.5"]).timeout_s == 2.5
+    assert parse(["generate", "hi", "--timeout-s", "0"]).timeout_s is None
+    assert parse(["up"]).generate_timeout_s == 600.0
+    assert parse(["up", "--generate-timeout-s", "0"]).generate_timeout_s is None
+    for bad in ("-1", "inf", "nan"):
+        with pytest.raises(SystemExit) as info:
+            parse(["generate", "hi", "--timeout-s", bad])
+        assert info.value.code == 2
+        assert (f"argument --timeout-s: must be a number of seconds >= 0 (got {bad})"
+                in capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        parse(["up", "--generate-timeout-s", "soon"])
+    assert "argument --generate-timeout-s: not a number of seconds: 'soon'" in capsys.readouterr().err
+
+
 def test_format_final() -> None:
     final = gateway_pb2.GenerateResponse(
         finish_reason=common_pb2.FINISH_REASON_STOP,

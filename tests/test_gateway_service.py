@@ -252,6 +252,25 @@ def test_cli_generate_and_status(gateway: RunningGateway, capsys: pytest.Capture
     assert "model: fake" in out and "connect_target" in out and "load_model" in out
 
 
+def test_cli_generate_deadline_cancels_and_keeps_the_text(
+        gateway: RunningGateway, fake: tuple[FakeTarget, int],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`generate --timeout-s`: a stream still running at its deadline exits 1 with a message
+    naming it, the text so far printed, and the request cancelled at the target."""
+    from splitspec.cli import main
+
+    target, _ = fake
+    target.step_s = 0.1  # 60 tokens, 2 a step: about 3 s, well past the 1-s deadline
+    num_admits = len(target.admits)
+    assert main(["generate", "hi", "--address", f"127.0.0.1:{gateway.port}",
+                 "--max-new-tokens", "60", "--timeout-s", "1"]) == 1
+    out, err = capsys.readouterr()
+    assert out and SCRIPT.startswith(out.rstrip("\n")) and len(out.rstrip("\n")) < len(SCRIPT)
+    assert "DEADLINE_EXCEEDED" in err and "within the deadline, 1 s" in err
+    _wait_until(lambda: target.admits[num_admits].request_id in target.cancels)
+    _wait_until(lambda: gateway.core.admission.num_running == 0)
+
+
 def test_drain_lets_requests_in_flight_finish_and_refuses_new_ones(
         fake: tuple[FakeTarget, int]) -> None:
     """SIGTERM's drain (RunningGateway.drain): NOT_SERVING, a new request UNAVAILABLE, the
