@@ -38,6 +38,7 @@ pay). The issue's aims: verify <= 1.2 x decode, draft <= 0.25 x decode.
     python bench/bench_step_costs.py --out-json /tmp/costs.json           # H200
     python bench/bench_step_costs.py --shape builtin --device cpu --dtype float32 --iters 5
     python bench/bench_step_costs.py --batch 32 --prompt-tokens 64 --context 256  # mixed steps
+    python bench/bench_step_costs.py --shape bench    # the trained bench pair's sizes, random weights
 """
 
 from __future__ import annotations
@@ -95,6 +96,13 @@ def random_module(module: torch.nn.Module, dtype: torch.dtype, device: str) -> t
 def configs(shape: str) -> tuple[dict, dict]:
     if shape == "8b":
         return LLAMA_31_8B, EAGLE3_FOR_8B
+    if shape == "bench":  # the sizes `python -m splitspec.training.pipeline --preset bench` trains
+        from splitspec.training.eagle3 import head_config
+        from splitspec.training.pipeline import PRESETS, model_values
+
+        preset = PRESETS["bench"]
+        target = model_values(preset, preset.target, preset.tokenizer_vocab)
+        return target, head_config(target, preset.draft_vocab_size, preset.head_overrides)
     return read_hf_config(BUILTIN_TARGET), read_hf_config(BUILTIN_EAGLE3)
 
 
@@ -355,8 +363,9 @@ def draft_costs(cfg: Eagle3Config, target_layers: int, args: argparse.Namespace,
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", choices=["8b", "builtin"], default="8b",
-                        help="8b: Llama-3.1-8B shape; builtin: the built-in pair's shape")
+    parser.add_argument("--shape", choices=["8b", "builtin", "bench"], default="8b",
+                        help="8b: Llama-3.1-8B shape; builtin: the built-in pair's shape; bench: "
+                             "the trained benchmark pair's (169M target, 41M head)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--attention-backend", default="auto")

@@ -186,3 +186,26 @@ def test_gemv_bench_lists_a_row_config_only_where_it_beat_torch_at_every_row_cou
     assert row_configs([result("torch", 4, 10), result("a", 4, 8, a), result("b", 4, 9.5, b),
                         result("torch", 9, 10), result("a", 9, 10.5, a),
                         result("b", 9, 10.2, b)]) == {(16, 64, 64): (None, "s, rows 4,9")}
+
+
+def test_step_costs_bench_shape_is_the_trained_pairs():
+    """--shape bench builds the sizes `--preset bench` trains: the served pair's init reports
+    say 168.8M parameters for the target and 41.2M for the head (bench/results/
+    pair_e2e_h100_session59.log)."""
+    import torch
+
+    from splitspec.model.config import Eagle3Config, LlamaConfig
+    from splitspec.model.eagle3 import Eagle3Head
+    from splitspec.model.llama import LlamaForCausalLM
+
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from bench_step_costs import configs
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    target, head = configs("bench")
+    with torch.device("meta"):
+        models = [LlamaForCausalLM(LlamaConfig.from_hf(target)), Eagle3Head(Eagle3Config.from_hf(head))]
+    counts = [round(sum(p.numel() for p in m.parameters()) / 1e6, 1) for m in models]
+    assert counts == [168.8, 41.2]
+    assert (head["draft_vocab_size"], target["vocab_size"]) == (8192, 16384)
