@@ -209,3 +209,16 @@ def test_step_costs_bench_shape_is_the_trained_pairs():
     counts = [round(sum(p.numel() for p in m.parameters()) / 1e6, 1) for m in models]
     assert counts == [168.8, 41.2]
     assert (head["draft_vocab_size"], target["vocab_size"]) == (8192, 16384)
+
+
+def test_handoff_bench_runs_on_cpu(tmp_path):
+    """bench_gpu_handoff.py: both modes run (the second in its own process, handing turns
+    back and forth), and the result says what a switch of process added."""
+    out = tmp_path / "handoff.json"
+    subprocess.run([sys.executable, "bench/bench_gpu_handoff.py", "--device", "cpu", "--kernels",
+                    "4", "--size", "1024", "--turns", "50", "--warmup", "5", "--repeats", "1",
+                    "--out-json", str(out)], cwd=REPO, check=True, timeout=120, capture_output=True)
+    result = json.loads(out.read_text())
+    assert result["device"] == "cpu" and len(result["runs_us"]["two"]) == 1
+    assert result["one_us"] > 0 and result["two_us"] > 0
+    assert result["handoff_us"] == pytest.approx((result["two_us"] - result["one_us"]) / 2)
