@@ -130,9 +130,15 @@ class ServiceServer:
         reflection.enable_server_reflection([*self._service_names, reflection.SERVICE_NAME],
                                             self.server)
         self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self.server.add_insecure_port(address)
+        taken = (f"cannot listen on {address}: another process holds the port, or the "
+                 "address is invalid; choose another with --port (under splitspec up: "
+                 "--gateway-port, --target-port, --draft-port)")
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError as exc:  # (grpcio's generic message; older grpcio returned 0)
+            raise OSError(taken) from exc
         if self.port == 0:
-            raise OSError(f"cannot listen on {address}: the port is taken or the address invalid")
+            raise OSError(taken)
         self.address = address
         self._started = False
 

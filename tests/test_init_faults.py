@@ -182,6 +182,7 @@ def test_a_taken_port_fails_bind_port_before_the_model_loads(module, draft, tmp_
     steps = {s["name"]: s for s in json.loads(report.read_text())["steps"]}
     assert steps["bind_port"]["state"] == "FAILED", steps
     assert str(port) in steps["bind_port"]["error_message"]
+    assert "another process holds the port" in steps["bind_port"]["error_message"]
     assert steps["load_model"]["state"] == "PENDING"
 
 
