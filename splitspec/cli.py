@@ -104,8 +104,11 @@ def stream_completion(address: str, request: CompletionRequest, timeout_s: float
                 if response.finish_reason:
                     final = response
         except grpc.RpcError as exc:  # the command's result: printed, exit code 1
-            hint = (f" (no final message within the deadline, {timeout_s:g} s)"
-                    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED else "")
+            hint = ""
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
+                hint = f" (no final message within the deadline, {timeout_s:g} s)"
+            elif exc.code() == grpc.StatusCode.UNAVAILABLE:
+                hint = f" (is a gateway serving at {address}? `splitspec up` starts one)"
             print(f"\nsplitspec: {exc.code().name}: {exc.details()}{hint}", file=err)
             return 1
     out.write("\n")

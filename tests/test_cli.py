@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 
@@ -79,6 +80,15 @@ def test_deadline_flags(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         parse(["up", "--generate-timeout-s", "soon"])
     assert "argument --generate-timeout-s: not a number of seconds: 'soon'" in capsys.readouterr().err
+
+
+def test_generate_without_a_gateway_says_where_it_looked(capsys: pytest.CaptureFixture[str]) -> None:
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    assert main(["generate", "hi", "--address", address]) == 1  # (no deadline: fails at once)
+    err = capsys.readouterr().err
+    assert "UNAVAILABLE" in err and f"is a gateway serving at {address}?" in err
 
 
 def test_format_final() -> None:
