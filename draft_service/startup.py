@@ -54,7 +54,7 @@ from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, Startup
 from splitspec.kv_cache import KVCache, PagePool, memory_shortfall
 from splitspec.model.layers import quantize_projections
-from splitspec.model.loader import parse_dtype, use_cpu_threads
+from splitspec.model.loader import check_device, parse_dtype, use_cpu_threads
 from splitspec.replay import read_records
 from splitspec.sampling import SamplingParams
 from splitspec.tree import tree_error
@@ -77,6 +77,7 @@ class Built(NamedTuple):
 def load_config(cfg: DraftConfig) -> Detailed:
     cfg.check()
     parse_dtype(cfg.dtype)
+    check_device(cfg.device)
     if cfg.kind == REPLAY:
         spec = read_replay_spec(Path(cfg.replay_file), cfg.replay_corrupt_rate, cfg.target_dir,
                                 cfg.replay_features)

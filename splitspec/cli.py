@@ -398,6 +398,13 @@ def train_draft(args: argparse.Namespace) -> int:
     if args.draft_vocab_size < 0:
         raise TrainDraftError(f"--draft-vocab-size must be 0 (the target's vocabulary) or more, "
                               f"got {args.draft_vocab_size}")
+    if args.device is not None:
+        from splitspec.model.loader import check_device
+
+        try:
+            check_device(args.device)
+        except ValueError as exc:  # before the corpus is read: the command's failure
+            raise TrainDraftError(str(exc)) from exc
     config = json.loads((target / "config.json").read_text(encoding="utf-8"))
     eos_id = eos_id_of(config, target)
     try:

@@ -45,7 +45,7 @@ from splitspec.init_report import Detailed, InitFailed, InitReport, Startup, fai
 from splitspec.kv_cache import KVCache, PagePool, memory_shortfall
 from splitspec.model.config import LlamaConfig, read_hf_config
 from splitspec.model.llama import LlamaForCausalLM
-from splitspec.model.loader import load_llama, parse_dtype, use_cpu_threads
+from splitspec.model.loader import check_device, load_llama, parse_dtype, use_cpu_threads
 from splitspec.model.parallel import SINGLE, TPGroup, layout, tp_error
 from splitspec.tokenizer import tokenizer_sha256
 from splitspec.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
@@ -109,6 +109,7 @@ class TP(NamedTuple):
 def load_config(cfg: TargetConfig, where: Placement = ONE_RANK) -> Detailed:
     model_cfg = LlamaConfig.from_hf(read_hf_config(cfg.model))
     parse_dtype(cfg.dtype)
+    check_device(cfg.device, where.size)
     problem = tp_error(model_cfg, where.size)
     if problem:
         raise ValueError(problem)

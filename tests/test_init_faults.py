@@ -7,6 +7,7 @@ import json
 import socket
 
 import pytest
+import torch
 from grpc_health.v1 import health_pb2
 
 from tests.stack import Service, free_port
@@ -211,3 +212,36 @@ def test_a_failed_start_up_gives_its_port_back(monkeypatch, service):
             startup_module.build(cfg, startup, lambda engine: None)
     assert startup.report.failed_step.name == "load_model"
     ServiceServer(f"127.0.0.1:{port}", 1, []).release()  # raises if the port were still held
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host where torch sees no GPU")
+@pytest.mark.parametrize("module", ["target_service", "draft_service"])
+def test_a_gpu_torch_cannot_see_fails_load_config(module, draft, tmp_path):
+    """--device cuda where torch has no GPU is refused in the first step, saying so, before
+    any weights are read (it failed load_model with torch's bare AssertionError)."""
+    report = tmp_path / "report.json"
+    args = ["--draft", draft.address] if module == "target_service" else []
+    service = Service(module, [*args, "--device", "cuda", "--init-report", str(report)], tmp_path)
+    code, seen = service.wait_exit(timeout_s=60)
+    assert code != 0 and SERVING not in seen
+    failed = [s for s in json.loads(report.read_text())["steps"] if s["state"] == "FAILED"]
+    assert [s["name"] for s in failed] == ["load_config"]
+    assert "--device cuda: torch" in failed[0]["error_message"]
+    assert "sees no GPU here; use --device cpu" in failed[0]["error_message"]
+
+
+def test_check_device_names_what_is_wrong():
+    from splitspec.model.loader import check_device
+
+    check_device("cpu")
+    check_device("cpu", ranks=4)  # (tensor-parallel ranks on the CPU need no GPUs)
+    for device, message in (("bogus", "--device 'bogus' is not a torch device: Expected one of"),
+                            ("cuda:x", "--device 'cuda:x' is not a torch device: Invalid")):
+        with pytest.raises(ValueError, match=message):
+            check_device(device)
+    count = torch.cuda.device_count()
+    wanted = "sees no GPU here" if count == 0 else f"needs {count + 1} GPU\\(s\\); torch sees {count}"
+    with pytest.raises(ValueError, match=wanted):
+        check_device(f"cuda:{count}")
+    with pytest.raises(ValueError, match=wanted if count == 0 else f"with --tp {count + 1} needs"):
+        check_device("cuda", ranks=count + 1)

@@ -264,6 +264,10 @@ def test_train_draft_refuses_bad_inputs_clearly(tmp_path, tiny_target, corpus_di
     (tmp_path / "empty").mkdir()
     assert cli.main([*base, "--target", str(tiny_target), "--corpus", str(tmp_path / "empty")]) == 2
     assert "is empty" in capsys.readouterr().err
+    if not torch.cuda.is_available():  # asked for a GPU that is not there: before the corpus
+        assert cli.main([*base, "--target", str(tiny_target), "--corpus", str(corpus_dir),
+                         "--device", "cuda"]) == 2
+        assert "--device cuda: torch" in capsys.readouterr().err
     assert not (tmp_path / "head").exists()
 
 

@@ -33,6 +33,26 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def check_device(device: str, ranks: int = 1) -> None:
+    """Fail at load_config, before any weights are read, on a --device this process cannot
+    use: not a torch device, a GPU where torch has none, or fewer GPUs than it needs
+    (``ranks`` tensor-parallel ranks take cuda:0 .. cuda:ranks-1)."""
+    try:
+        where = torch.device(device)
+    except RuntimeError as exc:  # (torch's own message names what it expected)
+        raise ValueError(f"--device {device!r} is not a torch device: {exc}") from exc
+    if where.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise ValueError(f"--device {device}: torch {torch.__version__} ({build}) sees no GPU "
+                         "here; use --device cpu, or a CUDA build of torch on a GPU host")
+    needed = where.index + 1 if where.index is not None else ranks
+    if needed > (count := torch.cuda.device_count()):
+        raise ValueError(f"--device {device}" + (f" with --tp {ranks}" if ranks > 1 else "")
+                         + f" needs {needed} GPU(s); torch sees {count}")
+
+
 # A service's torch threads for its CPU ops. One: the draft and the target (and each tensor-
 # parallel rank) are separate processes on one host, and the built-in pair's ops are small;
 # with torch's default of a thread per core in every process, plain decoding on 2 cores ran
