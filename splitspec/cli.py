@@ -473,6 +473,18 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) if shown else action.help
 
 
+def _tokens(text: str) -> int:
+    """A --max-new-tokens value: a whole number >= 1 (the gateway checks the upper bound,
+    the target's context)."""
+    try:
+        tokens = int(text)
+    except ValueError as exc:  # argparse's usage error, naming the flag
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}") from exc
+    if tokens < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {text})")
+    return tokens
+
+
 def _deadline(text: str) -> float | None:
     """A --timeout-s value: seconds, where 0 means no deadline."""
     try:
@@ -529,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--generate", metavar="TEXT", default=None,
                     help="once SERVING, stream one completion of TEXT, print its statistics, "
                          "then stop the stack")
-    up.add_argument("--max-new-tokens", type=int, default=64, help="length limit for --generate")
+    up.add_argument("--max-new-tokens", type=_tokens, default=64, help="length limit for --generate")
     up.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
                     help="speculation mode for --generate")
     up.add_argument("--generate-timeout-s", type=_deadline, default=UP_GENERATE_TIMEOUT_S,
@@ -544,7 +556,7 @@ def build_parser() -> argparse.ArgumentParser:
                                           "statistics follow on stderr.")
     gen.add_argument("text", help="the prompt")
     gen.add_argument("--address", default="localhost:50051", help="gateway address")
-    gen.add_argument("--max-new-tokens", type=int, default=None,
+    gen.add_argument("--max-new-tokens", type=_tokens, default=None,
                      help="length limit (default: the gateway's --default-max-new-tokens)")
     gen.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
                      help="auto: the gateway's policy; on: always; off: never")

@@ -91,6 +91,20 @@ def test_generate_without_a_gateway_says_where_it_looked(capsys: pytest.CaptureF
     assert "UNAVAILABLE" in err and f"is a gateway serving at {address}?" in err
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["up"]])
+def test_max_new_tokens_below_one_is_a_usage_error(command: list[str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """(-5 reached the request's uint32 field and ended in a traceback)"""
+    parse = build_parser().parse_args
+    assert parse([*command, "--max-new-tokens", "7"]).max_new_tokens == 7
+    for bad, message in (("-5", "must be at least 1 (got -5)"), ("0", "must be at least 1"),
+                         ("1.5", "not a whole number of tokens: '1.5'")):
+        with pytest.raises(SystemExit) as info:
+            parse([*command, "--max-new-tokens", bad])
+        assert info.value.code == 2
+        assert f"argument --max-new-tokens: {message}" in capsys.readouterr().err
+
+
 def test_format_final() -> None:
     final = gateway_pb2.GenerateResponse(
         finish_reason=common_pb2.FINISH_REASON_STOP,
