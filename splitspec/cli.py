@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +53,16 @@ class CompletionRequest:
     max_new_tokens: int | None
     speculation: str
     stop: tuple[str, ...]
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0            # 0: off
+    top_p: float = 0.0        # 0 or 1: off
+    seed: int | None = None   # None: the target draws one
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, text: str,
+                  stop: Sequence[str] = ()) -> CompletionRequest:
+        return cls(text, args.max_new_tokens, args.speculation, tuple(stop), args.temperature,
+                   args.top_k, args.top_p, args.seed)
 
     def to_pb(self) -> gateway_pb2.GenerateRequest:
         request = gateway_pb2.GenerateRequest(text=self.text,
@@ -60,6 +70,11 @@ class CompletionRequest:
         if self.max_new_tokens is not None:
             request.stopping.max_new_tokens = self.max_new_tokens
         request.stopping.stop.extend(self.stop)
+        request.sampling.temperature = self.temperature
+        request.sampling.top_k = self.top_k
+        request.sampling.top_p = self.top_p
+        if self.seed is not None:
+            request.sampling.seed = self.seed
         return request
 
 
@@ -112,6 +127,7 @@ def stream_completion(address: str, request: CompletionRequest, timeout_s: float
             print(f"\nsplitspec: {exc.code().name}: {exc.details()}{hint}", file=err)
             return 1
     out.write("\n")
+    out.flush()  # (before the statistics on err, where both go to one terminal or file)
     if final is None:
         print("splitspec: the stream ended without a final message", file=err)
         return 1
@@ -120,7 +136,7 @@ def stream_completion(address: str, request: CompletionRequest, timeout_s: float
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    request = CompletionRequest(args.text, args.max_new_tokens, args.speculation, tuple(args.stop))
+    request = CompletionRequest.from_args(args, args.text, args.stop)
     return stream_completion(args.address, request, timeout_s=args.timeout_s)
 
 
@@ -344,7 +360,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             children.append(Child(spec))
         wait_until_serving(gateway_address, children, args.startup_timeout_s)
         if args.generate is not None:
-            request = CompletionRequest(args.generate, args.max_new_tokens, args.speculation, ())
+            request = CompletionRequest.from_args(args, args.generate)
             with Child.holding_output():  # (from before the SERVING line: none lands after it)
                 print(f"splitspec up: SERVING at {gateway_address}", file=sys.stderr)
                 return stream_completion(gateway_address, request,
@@ -473,16 +489,35 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) if shown else action.help
 
 
-def _tokens(text: str) -> int:
-    """A --max-new-tokens value: a whole number >= 1 (the gateway checks the upper bound,
-    the target's context)."""
-    try:
-        tokens = int(text)
-    except ValueError as exc:  # argparse's usage error, naming the flag
-        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}") from exc
-    if tokens < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {text})")
-    return tokens
+def _whole_number(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high], or a usage error naming the flag
+    (a value the request's field cannot hold would otherwise end in a traceback)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError as exc:  # argparse's usage error, naming the flag
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from exc
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low} (got {text})")
+        if value > high:
+            raise argparse.ArgumentTypeError(f"must be at most {high} (got {text})")
+        return value
+    return parse
+
+
+def _add_sampling_flags(parser: argparse.ArgumentParser, what: str) -> None:
+    """--temperature, --top-k, --top-p and --seed for ``what`` (the gateway checks ranges)."""
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help=f"sampling temperature for {what}; 0 = greedy")
+    parser.add_argument("--top-k", type=_whole_number(0, 2**31 - 1), default=0,
+                        help="sample from the k most likely tokens only; 0 = off")
+    parser.add_argument("--top-p", type=float, default=0.0,
+                        help="sample from the smallest set of tokens whose probability reaches "
+                             "p; 0 or 1 = off")
+    parser.add_argument("--seed", type=_whole_number(0, 2**64 - 1), default=None,
+                        help="fixes the sampling's random stream: the same request gives the "
+                             "same text for a given speculation mode (default: the target "
+                             "draws one)")
 
 
 def _deadline(text: str) -> float | None:
@@ -541,9 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--generate", metavar="TEXT", default=None,
                     help="once SERVING, stream one completion of TEXT, print its statistics, "
                          "then stop the stack")
-    up.add_argument("--max-new-tokens", type=_tokens, default=64, help="length limit for --generate")
+    up.add_argument("--max-new-tokens", type=_whole_number(1, 2**32 - 1), default=64, help="length limit for --generate")
     up.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
                     help="speculation mode for --generate")
+    _add_sampling_flags(up, "--generate")
     up.add_argument("--generate-timeout-s", type=_deadline, default=UP_GENERATE_TIMEOUT_S,
                     help="--generate's deadline, from SERVING to its last token: past it the "
                          "stack stops and the command exits 1; 0 = none")
@@ -556,10 +592,11 @@ def build_parser() -> argparse.ArgumentParser:
                                           "statistics follow on stderr.")
     gen.add_argument("text", help="the prompt")
     gen.add_argument("--address", default="localhost:50051", help="gateway address")
-    gen.add_argument("--max-new-tokens", type=_tokens, default=None,
+    gen.add_argument("--max-new-tokens", type=_whole_number(1, 2**32 - 1), default=None,
                      help="length limit (default: the gateway's --default-max-new-tokens)")
     gen.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
                      help="auto: the gateway's policy; on: always; off: never")
+    _add_sampling_flags(gen, "the completion")
     gen.add_argument("--stop", action="append", default=[], metavar="S",
                      help="stop string (repeat for several); not included in the output")
     gen.add_argument("--timeout-s", type=_deadline, default=None,

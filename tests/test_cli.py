@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from splitspec.builtin import BUILTIN_DRAFT
-from splitspec.cli import build_parser, format_final, format_report, main, stack_specs
+from splitspec.cli import (
+    CompletionRequest,
+    build_parser,
+    format_final,
+    format_report,
+    main,
+    stack_specs,
+)
 from splitspec.init_report import InitReport, StepRecord, StepState
 from splitspec.v1 import common_pb2, gateway_pb2
 
@@ -98,11 +105,30 @@ def test_max_new_tokens_below_one_is_a_usage_error(command: list[str],
     parse = build_parser().parse_args
     assert parse([*command, "--max-new-tokens", "7"]).max_new_tokens == 7
     for bad, message in (("-5", "must be at least 1 (got -5)"), ("0", "must be at least 1"),
-                         ("1.5", "not a whole number of tokens: '1.5'")):
+                         ("1.5", "not a whole number: '1.5'"),
+                         (str(2**32), f"must be at most {2**32 - 1}")):
         with pytest.raises(SystemExit) as info:
             parse([*command, "--max-new-tokens", bad])
         assert info.value.code == 2
         assert f"argument --max-new-tokens: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["up"]])
+def test_sampling_flags_reach_the_request(command: list[str],
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args([*command, "--temperature", "0.7", "--top-k", "20",
+                                      "--top-p", "0.9", "--seed", str(2**64 - 1)])
+    sampling = CompletionRequest.from_args(args, "x").to_pb().sampling
+    assert sampling.temperature == pytest.approx(0.7) and sampling.top_k == 20
+    assert sampling.top_p == pytest.approx(0.9) and sampling.seed == 2**64 - 1
+    greedy = CompletionRequest.from_args(build_parser().parse_args(command), "x").to_pb()
+    assert greedy.sampling.temperature == 0 and not greedy.sampling.HasField("seed")
+    for flag, bad, message in (("--seed", "-1", "must be at least 0"),
+                               ("--seed", str(2**64), "must be at most"),
+                               ("--top-k", "-1", "must be at least 0")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*command, flag, bad])
+        assert f"argument {flag}: {message}" in capsys.readouterr().err
 
 
 def test_format_final() -> None:

@@ -252,6 +252,18 @@ def test_cli_generate_and_status(gateway: RunningGateway, capsys: pytest.Capture
     assert "model: fake" in out and "connect_target" in out and "load_model" in out
 
 
+def test_cli_generate_sends_the_sampling_flags(gateway: RunningGateway,
+                                              fake: tuple[FakeTarget, int]) -> None:
+    from splitspec.cli import main
+
+    target, _ = fake
+    assert main(["generate", "hi", "--address", f"127.0.0.1:{gateway.port}", "--max-new-tokens",
+                 "4", "--temperature", "0.5", "--top-k", "3", "--top-p", "0.9", "--seed", "7"]) == 0
+    sampling = target.admits[-1].sampling
+    assert (sampling.temperature, sampling.top_k, sampling.seed) == (0.5, 3, 7)
+    assert sampling.top_p == pytest.approx(0.9)
+
+
 def test_cli_generate_deadline_cancels_and_keeps_the_text(
         gateway: RunningGateway, fake: tuple[FakeTarget, int],
         capsys: pytest.CaptureFixture[str]) -> None:
