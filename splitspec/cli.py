@@ -102,6 +102,16 @@ def format_spec(spec: common_pb2.SpecStats) -> str:
             f"acceptance by depth: {by_depth}")
 
 
+def rpc_failure(exc: grpc.RpcError, address: str, timeout_s: float | None) -> str:
+    """A failed call to the gateway in one line, with what to check where that is clear."""
+    hint = ""
+    if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
+        hint = f" (no answer within the deadline, {timeout_s:g} s)"
+    elif exc.code() == grpc.StatusCode.UNAVAILABLE:
+        hint = f" (is a gateway serving at {address}? `splitspec up` starts one)"
+    return f"splitspec: {exc.code().name}: {exc.details()}{hint}"
+
+
 def stream_completion(address: str, request: CompletionRequest, timeout_s: float | None = None,
                       out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Stream one completion to ``out`` (stdout) and its statistics to ``err`` (stderr);
@@ -119,12 +129,7 @@ def stream_completion(address: str, request: CompletionRequest, timeout_s: float
                 if response.finish_reason:
                     final = response
         except grpc.RpcError as exc:  # the command's result: printed, exit code 1
-            hint = ""
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None:
-                hint = f" (no final message within the deadline, {timeout_s:g} s)"
-            elif exc.code() == grpc.StatusCode.UNAVAILABLE:
-                hint = f" (is a gateway serving at {address}? `splitspec up` starts one)"
-            print(f"\nsplitspec: {exc.code().name}: {exc.details()}{hint}", file=err)
+            print(f"\n{rpc_failure(exc, address, timeout_s)}", file=err)
             return 1
     out.write("\n")
     out.flush()  # (before the statistics on err, where both go to one terminal or file)
@@ -184,7 +189,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             status = gateway_pb2_grpc.GatewayStub(channel).GetStatus(
                 gateway_pb2.GetStatusRequest(), timeout=args.timeout_s)
         except grpc.RpcError as exc:  # the command's result: printed, exit code 1
-            print(f"splitspec: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(rpc_failure(exc, args.address, args.timeout_s), file=sys.stderr)
             return 1
     print(format_status(status))
     return 0

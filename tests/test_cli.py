@@ -96,6 +96,8 @@ def test_generate_without_a_gateway_says_where_it_looked(capsys: pytest.CaptureF
     assert main(["generate", "hi", "--address", address]) == 1  # (no deadline: fails at once)
     err = capsys.readouterr().err
     assert "UNAVAILABLE" in err and f"is a gateway serving at {address}?" in err
+    assert main(["status", "--address", address]) == 1
+    assert f"is a gateway serving at {address}?" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["generate", "hi"], ["up"]])

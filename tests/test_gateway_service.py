@@ -278,7 +278,7 @@ def test_cli_generate_deadline_cancels_and_keeps_the_text(
                  "--max-new-tokens", "60", "--timeout-s", "1"]) == 1
     out, err = capsys.readouterr()
     assert out and SCRIPT.startswith(out.rstrip("\n")) and len(out.rstrip("\n")) < len(SCRIPT)
-    assert "DEADLINE_EXCEEDED" in err and "within the deadline, 1 s" in err
+    assert "DEADLINE_EXCEEDED" in err and "no answer within the deadline, 1 s" in err
     _wait_until(lambda: target.admits[num_admits].request_id in target.cancels)
     _wait_until(lambda: gateway.core.admission.num_running == 0)
 
