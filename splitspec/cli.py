@@ -581,7 +581,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--generate", metavar="TEXT", default=None,
                     help="once SERVING, stream one completion of TEXT, print its statistics, "
                          "then stop the stack")
-    up.add_argument("--max-new-tokens", type=_whole_number(1, 2**32 - 1), default=64, help="length limit for --generate")
+    up.add_argument("--max-new-tokens", type=_whole_number(1, 2**32 - 1), default=64,
+                    help="length limit for --generate")
     up.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
                     help="speculation mode for --generate")
     _add_sampling_flags(up, "--generate")

@@ -109,13 +109,13 @@ class TP(NamedTuple):
 def load_config(cfg: TargetConfig, where: Placement = ONE_RANK) -> Detailed:
     model_cfg = LlamaConfig.from_hf(read_hf_config(cfg.model))
     parse_dtype(cfg.dtype)
-    check_device(cfg.device, where.size)
     problem = tp_error(model_cfg, where.size)
     if problem:
         raise ValueError(problem)
     if where.size > 1 and cfg.device.startswith("cuda:"):
         raise ValueError(f"--device {cfg.device} names one GPU: with --tp {where.size} use "
                          "--device cuda (rank r takes cuda:r)")
+    check_device(cfg.device, where.size)
     if cfg.max_context > model_cfg.max_position:
         raise ValueError(f"--max-context {cfg.max_context} exceeds the model's "
                          f"max_position_embeddings {model_cfg.max_position}; lower --max-context")
