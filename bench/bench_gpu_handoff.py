@@ -27,6 +27,7 @@ from collections.abc import Callable
 from multiprocessing.sharedctypes import Synchronized
 
 import torch
+from graph_timing import graph_of
 
 A_TURN, B_TURN, DONE = 0, 1, 2
 
@@ -42,11 +43,7 @@ def make_work(device: str, kernels: int, size: int) -> Callable[[], None]:
 
     if not device.startswith("cuda"):
         return run
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = graph_of(run)
     graph.replay()
     torch.cuda.synchronize()
     return graph.replay
