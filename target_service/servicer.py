@@ -46,7 +46,9 @@ class TargetServicer(target_pb2_grpc.TargetServicer):
             for request in requests:
                 self.engine.submit(stream_id, request)
         except grpc.RpcError as exc:  # the gateway went away: its sequences are freed below
-            log.info("gateway stream %d ended: %s", stream_id, exc)
+            # (grpcio raises it here without a message: say what it means)
+            log.info("gateway stream %d ended: %s", stream_id,
+                     str(exc) or "the call was cancelled or broken")
         finally:
             self.engine.close_stream(stream_id)
 
