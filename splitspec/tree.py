@@ -9,14 +9,19 @@ masks, positions, the accepted path) is derived here by pure functions.
 A *sampled* tree also carries ``proposals``: for every tree index, the sparse
 distribution q its children were drawn from (without replacement, in index
 order). It is verified by :func:`splitspec.sampling.accept_sampled_tree`.
+
+Only the masks and positions are tensors; this module imports torch for them alone, when
+they are first built, so that what reads trees without building one (the gateway's policy,
+the ``splitspec`` client commands) starts without loading torch.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 PROPOSAL_SUM_TOLERANCE = 1e-3  # |sum(q) - 1| allowed for a proposal sent as float32
 # The small budget, a chain of this many nodes, that the gateway's adaptive policy tries
@@ -101,6 +106,8 @@ def depths(parents: list[int]) -> list[int]:
 def ancestor_mask(parents: list[int]) -> torch.Tensor:
     """[n + 1, n + 1] bool: entry (i, j) is True when j is i itself or an ancestor of i.
     Built as host lists, one tensor at the end: the engine builds one per sequence per step."""
+    import torch  # (see the module's note)
+
     n = len(parents) + 1
     rows = [[j == 0 for j in range(n)]]
     for i, parent in enumerate(parents, start=1):
@@ -113,6 +120,8 @@ def ancestor_mask(parents: list[int]) -> torch.Tensor:
 def with_prefix(tree: torch.Tensor, prefix_len: int) -> torch.Tensor:
     """A [q, q] table among new tokens spelled out over a cached prefix that every row sees:
     [q, prefix_len + q]."""
+    import torch  # (see the module's note)
+
     prefix = torch.ones(tree.shape[0], prefix_len, dtype=torch.bool)
     return torch.cat((prefix, tree.to(device="cpu", dtype=torch.bool)), dim=1)
 
@@ -124,6 +133,8 @@ def verify_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
 
 def positions(parents: list[int], root_position: int) -> torch.Tensor:
     """Rope position of every tree index: the root's plus its depth."""
+    import torch  # (see the module's note)
+
     return torch.tensor(depths(parents), dtype=torch.int64) + root_position
 
 
