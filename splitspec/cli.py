@@ -116,14 +116,16 @@ def stream_completion(address: str, request: CompletionRequest, timeout_s: float
                       out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Stream one completion to ``out`` (stdout) and its statistics to ``err`` (stderr);
     return an exit code. ``timeout_s`` is the call's deadline (None: none): past it the
-    gateway cancels the request and the text so far stays printed."""
+    gateway cancels the request and the text so far stays printed (exit code 1); so does
+    Ctrl-C (130)."""
     out = out or sys.stdout
     err = err or sys.stderr
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         final = None
+        call = stub.GenerateStream(request.to_pb(), timeout=timeout_s)
         try:
-            for response in stub.GenerateStream(request.to_pb(), timeout=timeout_s):
+            for response in call:
                 out.write(response.text)
                 out.flush()
                 if response.finish_reason:
@@ -131,6 +133,10 @@ def stream_completion(address: str, request: CompletionRequest, timeout_s: float
         except grpc.RpcError as exc:  # the command's result: printed, exit code 1
             print(f"\n{rpc_failure(exc, address, timeout_s)}", file=err)
             return 1
+        except KeyboardInterrupt:  # Ctrl-C: the command's result, as a shell's (128 + SIGINT)
+            call.cancel()  # (the gateway cancels the request at the target)
+            print("\nsplitspec: interrupted: the request was cancelled", file=err)
+            return 128 + signal.SIGINT
     out.write("\n")
     out.flush()  # (before the statistics on err, where both go to one terminal or file)
     if final is None:

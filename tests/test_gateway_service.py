@@ -3,6 +3,9 @@ start-up steps, generation, stop strings, cancellation, admission, stream loss."
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -279,6 +282,30 @@ def test_cli_generate_deadline_cancels_and_keeps_the_text(
     out, err = capsys.readouterr()
     assert out and SCRIPT.startswith(out.rstrip("\n")) and len(out.rstrip("\n")) < len(SCRIPT)
     assert "DEADLINE_EXCEEDED" in err and "no answer within the deadline, 1 s" in err
+    _wait_until(lambda: target.admits[num_admits].request_id in target.cancels)
+    _wait_until(lambda: gateway.core.admission.num_running == 0)
+
+
+def test_cli_generate_ctrl_c_cancels_and_keeps_the_text(
+        gateway: RunningGateway, fake: tuple[FakeTarget, int]) -> None:
+    """Ctrl-C in `splitspec generate` (a real process): the text so far stays, a line says
+    the request was cancelled (no traceback), the exit code is 130, and the gateway cancels
+    the request at the target."""
+    target, _ = fake
+    target.step_s = 0.1  # 60 tokens, 2 a step: about 3 s
+    num_admits = len(target.admits)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitspec.cli", "generate", "hi", "--address",
+         f"127.0.0.1:{gateway.port}", "--max-new-tokens", "60"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
+        cwd=Path(__file__).resolve().parent.parent)
+    first = proc.stdout.read(1)  # the first text streamed
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    assert "splitspec: interrupted: the request was cancelled" in err and "Traceback" not in err
+    text = (first + out).rstrip("\n")
+    assert text and SCRIPT.startswith(text) and len(text) < len(SCRIPT)
     _wait_until(lambda: target.admits[num_admits].request_id in target.cancels)
     _wait_until(lambda: gateway.core.admission.num_running == 0)
 
