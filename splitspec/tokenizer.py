@@ -54,6 +54,9 @@ class ModelTokenizer:
 def load_tokenizer(model_dir: Path) -> ModelTokenizer:
     """Load ``model_dir/tokenizer.json``; FileNotFoundError names the missing file."""
     path = Path(model_dir) / TOKENIZER_FILE
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"{model_dir} is not a folder: pass --model <checkpoint folder "
+                                f"with {TOKENIZER_FILE}>")
     if not path.is_file():
         raise FileNotFoundError(
             f"no {TOKENIZER_FILE} in {model_dir}: pass --model <checkpoint folder with {TOKENIZER_FILE}>")

@@ -66,6 +66,8 @@ def test_sha256_is_of_tokenizer_json(tmp_path: Path) -> None:
 def test_load_tokenizer_names_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no tokenizer.json in"):
         load_tokenizer(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nothere is not a folder: pass --model"):
+        load_tokenizer(tmp_path / "nothere")  # (a mistyped path: said so, not "no tokenizer.json")
 
 
 @pytest.mark.parametrize("which", ["tokenizer", "small_tokenizer"])

@@ -208,6 +208,16 @@ def test_unsupported_configs_are_refused_with_a_reason():
         LlamaConfig.from_hf({"model_type": "mistral"})
 
 
+def test_a_checkpoint_path_that_is_not_a_folder_is_said_so(tmp_path):
+    """A mistyped --model is named as not a folder; a folder without config.json as that."""
+    from splitspec.model.config import read_hf_config
+
+    with pytest.raises(FileNotFoundError, match="nothere is not a folder: a checkpoint is a folder"):
+        read_hf_config(tmp_path / "nothere")
+    with pytest.raises(FileNotFoundError, match="config.json not found: a checkpoint folder needs"):
+        read_hf_config(tmp_path)
+
+
 def test_eagle3_aux_layer_convention():
     cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 8, "intermediate_size": 8,
            "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 10}

@@ -87,6 +87,9 @@ class LlamaConfig:
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
+    if not Path(model_dir).is_dir():
+        raise FileNotFoundError(f"{model_dir} is not a folder: a checkpoint is a folder with "
+                                f"config.json")
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a checkpoint folder needs config.json")
     return json.loads(path.read_text())
