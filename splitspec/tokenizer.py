@@ -52,7 +52,8 @@ class ModelTokenizer:
 
 
 def load_tokenizer(model_dir: Path) -> ModelTokenizer:
-    """Load ``model_dir/tokenizer.json``; FileNotFoundError names the missing file."""
+    """Load ``model_dir/tokenizer.json``; FileNotFoundError names what is missing (the
+    folder, or the file in it)."""
     path = Path(model_dir) / TOKENIZER_FILE
     if not Path(model_dir).is_dir():
         raise FileNotFoundError(f"{model_dir} is not a folder: pass --model <checkpoint folder "
