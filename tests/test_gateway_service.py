@@ -294,8 +294,12 @@ def test_cli_generate_ctrl_c_cancels_and_keeps_the_text(
     target, _ = fake
     target.step_s = 0.1  # 60 tokens, 2 a step: about 3 s
     num_admits = len(target.admits)
+    # Ctrl-C's KeyboardInterrupt, also where this test runs with SIGINT ignored (a background
+    # job's children inherit that, and Python then installs no handler of its own)
+    command = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+               "from splitspec.cli import main; sys.exit(main(sys.argv[1:]))")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitspec.cli", "generate", "hi", "--address",
+        [sys.executable, "-c", command, "generate", "hi", "--address",
          f"127.0.0.1:{gateway.port}", "--max-new-tokens", "60"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, encoding="utf-8",
         cwd=Path(__file__).resolve().parent.parent)
