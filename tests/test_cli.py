@@ -197,12 +197,13 @@ def test_up_refuses_a_quantized_draft_without_a_draft(capsys: pytest.CaptureFixt
 
 
 def test_the_gateway_and_the_client_commands_load_no_torch() -> None:
-    """The gateway and `splitspec generate` / `status` never build a tensor: importing them
-    must not load torch (a second and about 180 MiB of memory on this machine; the
-    gateway's policy reads splitspec.tree, which imports torch only for its masks)."""
+    """The gateway, `splitspec generate` / `status` and the compose healthcheck (run every
+    5 s) never build a tensor: importing them must not load torch (a second and about 180
+    MiB of memory on this machine; the gateway's policy reads splitspec.tree, which imports
+    torch only for its masks)."""
     import subprocess
 
-    code = ("import sys, gateway.app, splitspec.cli; "
+    code = ("import sys, gateway.app, splitspec.cli, splitspec.healthcheck; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, cwd=Path(__file__).resolve().parent.parent)
