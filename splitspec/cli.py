@@ -123,19 +123,21 @@ def stream_completion(address: str, request: CompletionRequest, timeout_s: float
     with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         final = None
+        streamed = ""  # a line break before a message, once text has been printed
         call = stub.GenerateStream(request.to_pb(), timeout=timeout_s)
         try:
             for response in call:
                 out.write(response.text)
                 out.flush()
+                streamed = streamed or ("\n" if response.text else "")
                 if response.finish_reason:
                     final = response
         except grpc.RpcError as exc:  # the command's result: printed, exit code 1
-            print(f"\n{rpc_failure(exc, address, timeout_s)}", file=err)
+            print(f"{streamed}{rpc_failure(exc, address, timeout_s)}", file=err)
             return 1
         except KeyboardInterrupt:  # Ctrl-C: the command's result, as a shell's (128 + SIGINT)
             call.cancel()  # (the gateway cancels the request at the target)
-            print("\nsplitspec: interrupted: the request was cancelled", file=err)
+            print(f"{streamed}splitspec: interrupted: the request was cancelled", file=err)
             return 128 + signal.SIGINT
     out.write("\n")
     out.flush()  # (before the statistics on err, where both go to one terminal or file)
