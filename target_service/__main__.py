@@ -7,10 +7,13 @@ With --tp N this process is rank 0: it starts ranks 1..N-1 itself
 from __future__ import annotations
 
 import argparse
+import cProfile
 import logging
 import os
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 from splitspec import compile_watch, telemetry
 from splitspec.config_args import add_arguments, from_args
@@ -77,6 +80,21 @@ def drain(server: ServiceServer, engine: Engine, timeout_s: float, interrupt: th
     log.info("target stopping: the requests in flight finished")
 
 
+def profiled(run: Callable[..., None], out: Path) -> Callable[..., None]:
+    """``run`` (the engine's loop) under cProfile, its statistics written to ``out`` when it
+    returns (--profile-out)."""
+    def run_profiled(*args: object) -> None:
+        profile = cProfile.Profile()
+        profile.enable()
+        try:
+            run(*args)
+        finally:
+            profile.disable()
+            profile.dump_stats(out)
+            log.info("the engine thread's profile is in %s (python -m pstats %s)", out, out)
+    return run_profiled
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     where = placement(cfg)
@@ -99,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_threads: list[threading.Thread] = []
 
     def start_engine(engine: Engine) -> None:
-        thread = threading.Thread(target=engine.run, args=(stop, on_crash), name="engine",
-                                  daemon=True)
+        run = engine.run if cfg.profile_out is None else profiled(engine.run, cfg.profile_out)
+        thread = threading.Thread(target=run, args=(stop, on_crash), name="engine", daemon=True)
         thread.start()
         engine_threads.append(thread)
 

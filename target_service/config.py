@@ -84,6 +84,11 @@ class TargetConfig:
     draft_timeout_s: float = option(2.0, "deadline of one draft exchange; past it the step decodes plainly")
     connect_timeout_s: float = option(120.0, "how long connect_draft waits for the draft to be SERVING")
     init_report: Path | None = option(None, "also write the JSON init report to this file")
+    profile_out: Path | None = option(None, "profile the engine thread (every step it runs, "
+                                      "with cProfile) and write the statistics to this file "
+                                      "when the target stops; read them with python -m pstats. "
+                                      "Profiling slows the steps: for finding where a step's "
+                                      "host time goes, not for serving")
     log_level: str = option("INFO", "logging level")
 
     @property

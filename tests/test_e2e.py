@@ -8,8 +8,10 @@ what transformers' own greedy generate produces on the same checkpoint.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import pstats
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -342,6 +344,23 @@ def test_sigterm_drains_the_target_the_stream_in_flight_finishes_new_requests_un
     finally:
         for service in stack:
             service.stop()
+
+
+def test_the_target_writes_its_engine_threads_profile_when_it_stops(logs):
+    """--profile-out: the engine thread runs under cProfile, and on a normal stop its
+    statistics are written there, with the step's own functions in them."""
+    out = logs / "engine.prof"
+    stack = start_stack(logs, [], target_args=["--profile-out", str(out)], gateway_args=TREE)
+    try:
+        assert len(generate(gateway_stub(stack[2]), PROMPTS[0], ON, max_new=16).token_ids) == 16
+    finally:
+        for service in reversed(stack):
+            service.stop()
+    assert stack[1].proc.returncode == 0, stack[1].log
+    functions = {(Path(file).as_posix(), name) for file, _, name in pstats.Stats(str(out)).stats}
+    assert all(any(file.endswith("target_service/engine.py") and name == function
+                   for file, name in functions) for function in ("step", "_forward", "_commit"))
+    assert f"the engine thread's profile is in {out}" in stack[1].log
 
 
 @pytest.mark.parametrize("first", ["target_service", "draft_service", "gateway"])
