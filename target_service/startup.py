@@ -128,6 +128,9 @@ def load_config(cfg: TargetConfig, where: Placement = ONE_RANK) -> Detailed:
     if cfg.feature_memory_dir and not Path(cfg.feature_memory_dir).is_dir():
         raise ValueError(f"--feature-memory-dir {cfg.feature_memory_dir} is not a directory "
                          "(mount the volume the draft sees there, or leave the flag out)")
+    if cfg.profile_out is not None and not cfg.profile_out.parent.is_dir():
+        raise ValueError(f"--profile-out {cfg.profile_out}: {cfg.profile_out.parent} is not a "
+                         "directory (the profile is written there when the target stops)")
     spec = ModelSpec(model_cfg, tokenizer_sha256(cfg.model))
     return Detailed(spec, f"{cfg.model.name}: {model_cfg.num_layers} layers, vocab {model_cfg.vocab_size}")
 

@@ -150,6 +150,16 @@ def test_a_feature_memory_dir_that_is_not_there_fails_load_config(draft, tmp_pat
         failed[0]["error_message"]
 
 
+def test_a_profile_out_in_a_missing_directory_fails_load_config(tmp_path):
+    """Found out in the first step, not when the target stops and writes the profile."""
+    from target_service.config import TargetConfig
+    from target_service.startup import load_config
+
+    with pytest.raises(ValueError, match="missing is not a directory"):
+        load_config(TargetConfig(profile_out=tmp_path / "missing" / "engine.prof"))
+    assert load_config(TargetConfig(profile_out=tmp_path / "engine.prof")).value is not None
+
+
 def test_a_negative_defer_catch_up_fails_load_config():
     from target_service.config import TargetConfig
     from target_service.startup import load_config
