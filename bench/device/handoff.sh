@@ -4,10 +4,9 @@
 # bench/bench_gpu_handoff.py for each KERNELS: what a switch between two processes taking
 # turns on one GPU adds, as the target's and the draft's do on a one-GPU stack. Then, where
 # the machine has nvidia-cuda-mps-control, the same under MPS (the two processes' work
-# through one shared context): a daemon of this call's own, in its own pipe and log
-# directories (only processes given CUDA_MPS_PIPE_DIRECTORY use it), told to quit at the
-# end. MPS changes no setting of the card (its compute mode stays as it is). Results:
-# $OUT/handoff_k{KERNELS}[_mps].json; everything printed also in $OUT/handoff.log.
+# through one shared context): a daemon of this call's own (setup.sh's start_mps), told to
+# quit at the end; MPS changes no setting of the card (its compute mode stays as it is).
+# Results: $OUT/handoff_k{KERNELS}[_mps].json; everything printed also in $OUT/handoff.log.
 set -uo pipefail
 source bench/device/setup.sh > /dev/null
 kernels=("$@")
@@ -21,18 +20,8 @@ run_all() {  # (suffix)
 {
     nvidia-smi --query-gpu=name,compute_mode --format=csv,noheader
     run_all ""
-    if command -v nvidia-cuda-mps-control > /dev/null; then
-        export CUDA_MPS_PIPE_DIRECTORY=/tmp/splitspec-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/splitspec-mps/log
-        mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-        if nvidia-cuda-mps-control -d; then
-            run_all _mps
-            echo quit | nvidia-cuda-mps-control
-            sleep 1
-            tail -5 "$CUDA_MPS_LOG_DIRECTORY/control.log" 2>/dev/null
-        else
-            echo "the MPS daemon did not start"
-        fi
-    else
-        echo "no nvidia-cuda-mps-control on this machine: no MPS runs"
+    if start_mps; then
+        run_all _mps
+        stop_mps
     fi
 } 2>&1 | tee "$OUT/handoff.log"

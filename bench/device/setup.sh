@@ -22,3 +22,21 @@ save_kernel_cache() {  # (written aside, then renamed: a call that runs out of t
     tar -cJf "$OUT/fiws.txz.part" --exclude='*.o' --exclude='*.cuda.o' -C .fiws . \
         && mv "$OUT/fiws.txz.part" "$OUT/fiws.txz" && ls -la "$OUT/fiws.txz"
 }
+
+start_mps() {  # an MPS daemon of this call's own: its own pipe and log folders, so only the
+    # processes started after this (which inherit CUDA_MPS_PIPE_DIRECTORY) use it; it changes
+    # no setting of the card. Returns non-zero, saying why, where there is none to start.
+    if ! command -v nvidia-cuda-mps-control > /dev/null; then
+        echo "no nvidia-cuda-mps-control on this machine: no MPS runs"; return 1
+    fi
+    export CUDA_MPS_PIPE_DIRECTORY=/tmp/splitspec-mps/pipe CUDA_MPS_LOG_DIRECTORY=/tmp/splitspec-mps/log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    nvidia-cuda-mps-control -d || { echo "the MPS daemon did not start"; return 1; }
+}
+
+stop_mps() {  # tell start_mps's daemon to quit; its control log's last lines
+    echo quit | nvidia-cuda-mps-control
+    sleep 1
+    tail -5 "$CUDA_MPS_LOG_DIRECTORY/control.log" 2>/dev/null
+    unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+}
