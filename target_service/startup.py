@@ -119,6 +119,11 @@ def load_config(cfg: TargetConfig, where: Placement = ONE_RANK) -> Detailed:
     if cfg.max_context > model_cfg.max_position:
         raise ValueError(f"--max-context {cfg.max_context} exceeds the model's "
                          f"max_position_embeddings {model_cfg.max_position}; lower --max-context")
+    if cfg.max_context < len(WARMUP_PROMPT) + WARMUP_NEW_TOKENS:
+        raise ValueError(f"--max-context {cfg.max_context} is below the "
+                         f"{len(WARMUP_PROMPT) + WARMUP_NEW_TOKENS} tokens the start-up's warmup "
+                         f"generates (a {len(WARMUP_PROMPT)}-token prompt and "
+                         f"{WARMUP_NEW_TOKENS} new tokens); raise --max-context")
     if cfg.num_draft_tokens > cfg.max_tree_nodes or cfg.topk < 1 or cfg.num_steps < 1:
         raise ValueError("--num-draft-tokens, --topk and --num-steps must be positive")
     cfg.verify_graph_sizes  # noqa: B018 (a bad --graph-tree-sizes fails here, not at capture)
@@ -258,7 +263,7 @@ def connect_draft(cfg: TargetConfig, spec: ModelSpec, cache: KVCache) -> Detaile
                              feature_memory_dir=cfg.feature_memory_dir,
                              exchange_memory=cfg.exchange_memory)
     info = link.info
-    problems = draft_mismatches(info, spec)
+    problems = draft_mismatches(info, spec, cfg.max_context)
     if problems:
         link.close()
         raise ValueError(f"draft {info.model_name} at {cfg.draft} does not fit target "
@@ -285,10 +290,15 @@ def connect_draft(cfg: TargetConfig, spec: ModelSpec, cache: KVCache) -> Detaile
                     f"{capture}{held}")
 
 
-def draft_mismatches(info: object, spec: ModelSpec) -> list[str]:
-    """What makes the draft unfit for this target, each with what to change."""
+def draft_mismatches(info: object, spec: ModelSpec, max_context: int) -> list[str]:
+    """What makes the draft unfit for this target (whose sequences reach ``max_context``
+    tokens), each with what to change."""
     cfg = spec.config
     problems = []
+    if info.max_context < max_context:  # (past it every step would go without a tree)
+        problems.append(f"the draft holds sequences of up to {info.max_context} tokens, the "
+                        f"target's reach {max_context}; give the draft --max-context "
+                        f"{max_context} or more, or the target a lower --max-context")
     if info.vocab_size != cfg.vocab_size:
         problems.append(f"draft vocabulary size {info.vocab_size} != target vocabulary size "
                         f"{cfg.vocab_size}; use a draft trained for this target")

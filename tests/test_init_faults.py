@@ -101,6 +101,24 @@ def test_draft_vocab_mismatch_fails_target_naming_both_sizes(tmp_path):
     assert "target vocabulary size 2048" in step["error_message"]
 
 
+def test_a_draft_with_a_shorter_context_fails_target_naming_both(tmp_path):
+    """Past the draft's context every step of a sequence would decode without a tree (and
+    log why): refused at start instead."""
+    draft = Service("draft_service", ["--max-context", "64"], tmp_path).wait_serving()
+    try:
+        report = tmp_path / "report.json"
+        target = Service("target_service", ["--draft", draft.address, "--max-context", "128",
+                                            "--init-report", str(report)], tmp_path)
+        code, seen = target.wait_exit(timeout_s=60)
+    finally:
+        draft.stop()
+    assert code != 0 and SERVING not in seen
+    step = next(s for s in json.loads(report.read_text())["steps"] if s["state"] == "FAILED")
+    assert step["name"] == "connect_draft"
+    assert ("the draft holds sequences of up to 64 tokens, the target's reach 128"
+            in step["error_message"])
+
+
 def test_draft_and_target_run_one_cpu_thread_by_default(draft, target):
     """Each service sets its torch threads in load_model and says so: with torch's default (a
     thread per core in every process) plain decoding ran up to 3.3x slower on 2 cores."""
@@ -158,6 +176,17 @@ def test_a_profile_out_in_a_missing_directory_fails_load_config(tmp_path):
     with pytest.raises(ValueError, match="missing is not a directory"):
         load_config(TargetConfig(profile_out=tmp_path / "missing" / "engine.prof"))
     assert load_config(TargetConfig(profile_out=tmp_path / "engine.prof")).value is not None
+
+
+def test_a_max_context_too_short_for_the_warmup_fails_load_config():
+    """Found out in the first step, not by the warmup's first generation."""
+    from target_service.config import TargetConfig
+    from target_service.startup import load_config
+
+    with pytest.raises(ValueError, match="--max-context 15 is below the 16 tokens the start-up's "
+                                         "warmup generates"):
+        load_config(TargetConfig(max_context=15))
+    assert load_config(TargetConfig(max_context=16)).value is not None
 
 
 def test_a_negative_defer_catch_up_fails_load_config():
