@@ -120,7 +120,7 @@ def check_speculation(mode: int) -> None:
 def check_sampling(sampling: common_pb2.SamplingParams) -> None:
     """Temperature >= 0 (0 = greedy), top_p in [0, 1] (0 or 1 = off), top_k >= 0 (0 = off)."""
     if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
-        raise invalid(f"temperature must be >= 0 (got {sampling.temperature})")
+        raise invalid(f"temperature must be a finite number >= 0 (got {sampling.temperature})")
     if not 0 <= sampling.top_p <= 1:
         raise invalid(f"top_p must be in [0, 1] (got {sampling.top_p})")
     if sampling.top_k < 0:

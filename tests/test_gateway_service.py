@@ -128,7 +128,7 @@ def test_invalid_request_keeps_gateway_healthy(gateway: RunningGateway) -> None:
     with pytest.raises(grpc.RpcError) as info:
         stub.Generate(_request(sampling=common_pb2.SamplingParams(temperature=-0.5)))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "temperature must be >= 0" in info.value.details()
+    assert "temperature must be a finite number >= 0" in info.value.details()
     with pytest.raises(grpc.RpcError) as info:
         list(stub.GenerateStream(gateway_pb2.GenerateRequest(token_ids=gateway_pb2.TokenIds(
             ids=[1, 999999]))))

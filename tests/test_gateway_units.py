@@ -271,8 +271,9 @@ def test_default_max_new_tokens_fits_context(small_tokenizer: ModelTokenizer) ->
     ({"stopping": gateway_pb2.StoppingParams(stop_token_ids=[100])},
      "stopping.stop_token_ids[0] = 100 is out of range"),
     ({"speculation": 7}, "unknown speculation mode 7"),
-    ({"sampling": common_pb2.SamplingParams(temperature=-1)}, "temperature must be >= 0"),
-    ({"sampling": common_pb2.SamplingParams(temperature=float("nan"))}, "temperature must be >= 0"),
+    ({"sampling": common_pb2.SamplingParams(temperature=-1)}, "temperature must be a finite number >= 0"),
+    ({"sampling": common_pb2.SamplingParams(temperature=float("nan"))}, "temperature must be a finite number >= 0"),
+    ({"sampling": common_pb2.SamplingParams(temperature=float("inf"))}, "temperature must be a finite number >= 0"),
     ({"sampling": common_pb2.SamplingParams(top_p=1.5)}, "top_p must be in [0, 1]"),
     ({"sampling": common_pb2.SamplingParams(top_k=-2)}, "top_k must be >= 0"),
 ])
