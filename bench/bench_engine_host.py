@@ -176,11 +176,12 @@ def client_main(address: str) -> None:
 
 
 def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64,
-                     sink: str = "memory", launch_calls: int = 0, device_s: float = 0.0
-                     ) -> float:
+                     sink: str = "memory", launch_calls: int = 0, device_s: float = 0.0,
+                     idle_s: float = 0.0) -> float:
     """Median microseconds of ``Engine.step`` over ``steps`` decode steps of ``batch``
     sequences (the prompts' step and the first decode step are not timed), with the events
-    left in the outbox (``sink`` memory) or sent over gRPC (``grpc``: ``GrpcSink``)."""
+    left in the outbox (``sink`` memory) or sent over gRPC (``grpc``: ``GrpcSink``), each
+    step after an untimed sleep of ``idle_s`` when given."""
     new_tokens = (steps + 2) * (3 if mode == "tree" else 1)
     per_seq = -(-(prompt_len + new_tokens + MAX_TREE_NODES + 1) // PAGE)
     runner = StandInRunner(batch * per_seq, launch_calls, device_s)
@@ -212,6 +213,8 @@ def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64,
     engine.step()  # the first decode step (the draft's first request carries the prompts)
     times = []
     for _ in range(steps):
+        if idle_s:
+            time.sleep(idle_s)
         start = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - start)
@@ -241,6 +244,10 @@ def main() -> int:
     parser.add_argument("--device-us", type=float, default=0.0,
                         help="a wait from each forward's launch to the first read of its logits, "
                              "standing in for the device's work (timed with the step)")
+    parser.add_argument("--idle-us", type=float, default=0.0,
+                        help="a sleep before each timed step, not timed: a served step starts "
+                             "after its thread waited (for a request, the draft or the device), "
+                             "and host code runs slower right after a wait than in a loop")
     parser.add_argument("--client", help=argparse.SUPPRESS)  # GrpcSink's receiving process
     args = parser.parse_args()
     if args.client:
@@ -257,8 +264,9 @@ def main() -> int:
             for mode, sink, label in settings:  # alternated, so drift hits all alike
                 runs[f"{label} {batch}"].append(host_us_per_step(
                     mode, batch, args.steps, sink=sink, launch_calls=args.launch_calls,
-                    device_s=args.device_us / 1e6))
+                    device_s=args.device_us / 1e6, idle_s=args.idle_us / 1e6))
     waits = f", a {args.device_us:g} us device wait included" if args.device_us else ""
+    waits += f", each after an untimed {args.idle_us:g} us sleep" if args.idle_us else ""
     print(f"Engine.step host time, stand-in model, {args.steps} steps a run, median of "
           f"{args.repeats} runs (us a step; us a sequence){waits}")
     first = settings[0][2]

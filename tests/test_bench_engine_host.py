@@ -48,3 +48,16 @@ def test_unknown_sinks_are_refused():
     done = subprocess.run([sys.executable, "bench/bench_engine_host.py", "--sinks", "file"],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "unknown sinks ['file']" in done.stderr
+
+
+def test_idle_us_sleeps_before_each_step_without_timing_it(tmp_path):
+    """--idle-us: the step is timed after a wait, the wait itself is not (a 50 ms sleep
+    would dwarf the step's host time if it were timed)."""
+    out = tmp_path / "host.json"
+    done = subprocess.run([sys.executable, "bench/bench_engine_host.py", "--batch", "1",
+                           "--modes", "off", "--steps", "5", "--repeats", "1",
+                           "--idle-us", "50000", "--out-json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    assert "each after an untimed 50000 us sleep" in done.stdout
+    (us,) = json.loads(out.read_text())["runs_us"]["off 1"]
+    assert 0 < us < 50000

@@ -20,5 +20,6 @@ import pstats, sys
 stats = pstats.Stats(sys.argv[1])
 stats.sort_stats('tottime').print_stats(30)
 stats.sort_stats('cumulative').print_stats(40)
+stats.print_callees(r'\((_forward|run_plan|forward|plan|step)\)')
 " "$OUT/engine.prof"
 } 2>&1 | tee "$OUT/profile_served.log"
