@@ -124,6 +124,10 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=300, help="timed calls a repeat (each "
                         "commits a token, so the sequence grows by calls x repeats)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--idle-us", type=float, default=0.0,
+                        help="a sleep before each timed call, not timed: a served call comes "
+                             "after its thread waited for the request, and host code runs "
+                             "slower right after a wait than in a loop")
     parser.add_argument("--profile", action="store_true", help="cProfile one more repeat")
     parser.add_argument("--out-json", type=Path)
     args = parser.parse_args()
@@ -148,10 +152,14 @@ def main() -> int:
         per_call = []
         for _ in range(args.repeats):
             items = calls(args.calls)
-            began = time.perf_counter()
+            took = 0.0
             for item in items:
+                if args.idle_us:
+                    time.sleep(args.idle_us / 1e6)  # (untimed)
+                began = time.perf_counter()
                 results = drafter.draft(session, item)
-            per_call.append(1e6 * (time.perf_counter() - began) / args.calls)
+                took += time.perf_counter() - began
+            per_call.append(1e6 * took / args.calls)
             for result in results:  # the last call's, one a sequence
                 if result.error or result.tree.num_nodes != args.tree_nodes:
                     raise RuntimeError(f"drafting failed: {result.error or result.tree}")
@@ -168,8 +176,9 @@ def main() -> int:
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
     runs = ", ".join(f"{t:.1f}" for t in per_call)
-    print(f"draft call host work, {args.shape} shape, {args.seqs} sequence(s), {tree}: median "
-          f"{statistics.median(per_call):.1f} us ({runs})")
+    idle = f", each after an untimed {args.idle_us:g} us sleep" if args.idle_us else ""
+    print(f"draft call host work, {args.shape} shape, {args.seqs} sequence(s), {tree}{idle}: "
+          f"median {statistics.median(per_call):.1f} us ({runs})")
     if args.out_json:
         args.out_json.write_text(json.dumps({"command": " ".join(sys.argv), "shape": args.shape,
                                              "seqs": args.seqs, "us_per_call": per_call},

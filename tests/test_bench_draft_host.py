@@ -18,3 +18,16 @@ def test_the_bench_times_calls_through_the_stand_in_graph(tmp_path):
     assert "draft call host work, builtin shape, 2 sequence(s)" in done.stdout
     runs = json.loads(out.read_text())["us_per_call"]
     assert len(runs) == 2 and all(us > 0 for us in runs)
+
+
+def test_idle_us_sleeps_before_each_call_without_timing_it(tmp_path):
+    """--idle-us: each call is timed after a wait, the wait itself is not (a 50 ms sleep
+    would dwarf the call's host time if it were timed)."""
+    out = tmp_path / "draft_host.json"
+    done = subprocess.run([sys.executable, "bench/bench_draft_host.py", "--context", "40",
+                           "--calls", "5", "--repeats", "1", "--idle-us", "50000",
+                           "--out-json", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    assert "each after an untimed 50000 us sleep" in done.stdout
+    (us,) = json.loads(out.read_text())["us_per_call"]
+    assert 0 < us < 50000
