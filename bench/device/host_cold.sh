@@ -14,6 +14,7 @@ set -uo pipefail
 source bench/device/setup.sh > /dev/null
 {
     lscpu | grep -E "Model name|^CPU\(s\)|Thread\(s\)|MHz|Hypervisor"
+    echo "kdamond threads (the kernel's memory-access monitor, which runs on the VM): $(pgrep -c kdamond)"
     python3 bench/device/wake_cost.py
     echo "pinned to core 3:"
     taskset -c 3 python3 bench/device/wake_cost.py
