@@ -82,7 +82,8 @@ def drain(server: ServiceServer, engine: Engine, timeout_s: float, interrupt: th
 
 def profiled(run: Callable[..., None], out: Path) -> Callable[..., None]:
     """``run`` (the engine's loop) under cProfile, its statistics written to ``out`` when it
-    returns (--profile-out)."""
+    returns (--profile-out). Before Python 3.12 only this thread is profiled; from 3.12
+    cProfile uses sys.monitoring, which sees every thread while it is on."""
     def run_profiled(*args: object) -> None:
         profile = cProfile.Profile()
         profile.enable()

@@ -88,7 +88,10 @@ class TargetConfig:
                                       "with cProfile) and write the statistics to this file "
                                       "when the target stops; read them with python -m pstats. "
                                       "Profiling slows the steps: for finding where a step's "
-                                      "host time goes, not for serving")
+                                      "host time goes, not for serving. From Python 3.12 "
+                                      "cProfile sees every thread of the process once it is "
+                                      "on (sys.monitoring), so the gRPC threads' calls are "
+                                      "mixed in")
     log_level: str = option("INFO", "logging level")
 
     @property

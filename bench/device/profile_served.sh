@@ -8,7 +8,9 @@
 # the step split the bench prints. In process, a batch-1 decode call takes 0.078 ms of host
 # time on an H100 machine; served, 0.31 ms passes before its graph's launch
 # (docs/benchmarks.md, forty-fifth part). Profiling slows every call it sees, so read the
-# shares, not the times. Output in $OUT/profile_served.log, the profile in $OUT/engine.prof.
+# shares, not the times; from Python 3.12 (the GPU hosts') cProfile sees every thread of the
+# target, so the gRPC threads' calls are mixed in. Output in $OUT/profile_served.log, the
+# profile in $OUT/engine.prof.
 set -uo pipefail
 source bench/device/setup.sh > /dev/null
 {
