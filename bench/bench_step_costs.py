@@ -13,8 +13,9 @@ of that target's shape (one layer, draft vocabulary 32000), after a prompt of
   graph replayed alone: synchronised after each replay (``decode_replay_ms``), queued back
   to back so each launch overlaps the replay before (``decode_replay_queued_ms``: the
   device's time), and the host's time to launch one (``decode_launch_ms``); and the decode
-  call's host time until it returns, its replay launched and not waited for
-  (``decode_call_host_ms``: the in-process side of the served stack's ``forward_launch_s``);
+  and verify calls' host time until they return, their replay launched and not waited for
+  (``decode_call_host_ms``, ``verify_call_host_ms``: the in-process side of the served
+  stack's ``forward_launch_s``);
 - draft: the draft's Drafter.draft for one sequence: catch up one token (with
   its features) and draft a tree of --tree-nodes nodes, topk --topk, depth
   --depth, as the draft service does for every step; with graphs the catch-up
@@ -274,13 +275,17 @@ def target_costs(cfg: LlamaConfig, args: argparse.Namespace, dtype: torch.dtype)
               f"back (the device's time), launch {statistics.median(launches):.3f} ms of host "
               "time", flush=True)
         # the served stack's forward_launch_s counts the same host work (and the engine's
-        # two input tensors): ModelRunner.forward until it returns, with the graphs
+        # inputs: its two tensors, a verify's positions and mask): ModelRunner.forward until
+        # it returns, with the graphs
         runner.graphs = graphs  # (the loop above left the last engine's)
-        result["decode_call_host_ms"] = host_ms(lambda: runner.forward(decode), args.iters)
-        if not runner.last_graphed:
-            raise RuntimeError("the decode call's host time was taken without its graph")
-        print(f"target decode call: {statistics.median(result['decode_call_host_ms']):.3f} ms "
-              "of host time until it returns (the replay launched, not waited for)", flush=True)
+        for key in ("decode", "verify"):
+            result[f"{key}_call_host_ms"] = host_ms(lambda c=calls[key]: runner.forward(c),
+                                                    args.iters)
+            if not runner.last_graphed:
+                raise RuntimeError(f"the {key} call's host time was taken without its graph")
+            print(f"target {key} call: {statistics.median(result[f'{key}_call_host_ms']):.3f} "
+                  "ms of host time until it returns (the replay launched, not waited for)",
+                  flush=True)
     return result
 
 
