@@ -10,6 +10,7 @@
 # (forty-fifth part). Runs bench/device/wake_cost.py (free, then pinned to one core), the
 # engine bench with and without --idle-us, then profile_served.sh (the served pair with the
 # target's engine thread profiled). Everything in $OUT (host_cold.log, profile_served.log).
+# Run in session 61 on an H100 host: a wait slows the code after it only 1.1-1.3x there.
 set -uo pipefail
 source bench/device/setup.sh > /dev/null
 {

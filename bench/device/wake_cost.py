@@ -11,6 +11,7 @@ cache) is part of that.
 
 Prints, per wait, the unit's median microseconds right after it and once more after that
 (a slow first and a fast second: the wait left the caches cold), and how long it took.
+Session 61: 2.5-4.5x after a 1 ms sleep on the development VM, 1.45x on an H100 host.
 """
 
 from __future__ import annotations
