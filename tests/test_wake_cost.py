@@ -15,6 +15,7 @@ def test_each_wait_gets_a_row_and_lasts_at_least_what_was_asked():
     # (where torch sees a GPU, a "cuda sync" row follows)
     assert [(row[0], row[1]) for row in rows[:3]] == [("none", "0"), ("sleep", "300"),
                                                       ("spin", "300")]
-    for _, us, unit, again, took in rows:
+    for name, us, unit, again, took in rows:
         assert float(unit) > 0 and float(again) > 0
-        assert float(took) >= float(us)
+        if name != "cuda sync":  # (a GPU sleep's length comes from a calibration)
+            assert float(took) >= float(us)
