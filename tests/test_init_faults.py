@@ -86,28 +86,25 @@ def test_draft_vocab_mismatch_fails_target_naming_both_sizes(tmp_path):
     write_llama(tmp_path / "small", {"vocab_size": 1000, "hidden_size": 32, "intermediate_size": 64,
                                      "num_hidden_layers": 1, "num_attention_heads": 2,
                                      "num_key_value_heads": 1, "head_dim": 16}, seed=3)
-    draft = Service("draft_service", ["--model", str(tmp_path / "small")], tmp_path).wait_serving()
-    try:
-        report = tmp_path / "report.json"
-        target = Service("target_service", ["--draft", draft.address, "--init-report", str(report)],
-                         tmp_path)
-        code, seen = target.wait_exit(timeout_s=60)
-    finally:
-        draft.stop()
-    assert code != 0 and SERVING not in seen
-    step = next(s for s in json.loads(report.read_text())["steps"] if s["state"] == "FAILED")
-    assert step["name"] == "connect_draft"
-    assert "draft vocabulary size 1000" in step["error_message"]
-    assert "target vocabulary size 2048" in step["error_message"]
+    message = connect_draft_failure(tmp_path, ["--model", str(tmp_path / "small")], [])
+    assert "draft vocabulary size 1000" in message
+    assert "target vocabulary size 2048" in message
 
 
 def test_a_draft_with_a_shorter_context_fails_target_naming_both(tmp_path):
     """Past the draft's context every step of a sequence would decode without a tree (and
     log why): refused at start instead."""
-    draft = Service("draft_service", ["--max-context", "64"], tmp_path).wait_serving()
+    message = connect_draft_failure(tmp_path, ["--max-context", "64"], ["--max-context", "128"])
+    assert "the draft holds sequences of up to 64 tokens, the target's reach 128" in message
+
+
+def connect_draft_failure(tmp_path, draft_args: list[str], target_args: list[str]) -> str:
+    """A draft started with ``draft_args`` and a target with ``target_args`` pointed at it:
+    the target must stop without serving, its connect_draft step failed; that step's error."""
+    draft = Service("draft_service", draft_args, tmp_path).wait_serving()
     try:
         report = tmp_path / "report.json"
-        target = Service("target_service", ["--draft", draft.address, "--max-context", "128",
+        target = Service("target_service", ["--draft", draft.address, *target_args,
                                             "--init-report", str(report)], tmp_path)
         code, seen = target.wait_exit(timeout_s=60)
     finally:
@@ -115,8 +112,7 @@ def test_a_draft_with_a_shorter_context_fails_target_naming_both(tmp_path):
     assert code != 0 and SERVING not in seen
     step = next(s for s in json.loads(report.read_text())["steps"] if s["state"] == "FAILED")
     assert step["name"] == "connect_draft"
-    assert ("the draft holds sequences of up to 64 tokens, the target's reach 128"
-            in step["error_message"])
+    return step["error_message"]
 
 
 def test_draft_and_target_run_one_cpu_thread_by_default(draft, target):
