@@ -250,7 +250,8 @@ def run_target(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], max_n
 
 
 def breakdown(steps: list[target_pb2.StepStats], speculated: bool) -> dict[str, float]:
-    """Median milliseconds per decode step (prefill steps excluded)."""
+    """Median milliseconds per decode step (prefill steps excluded), and the share of those
+    steps whose forward replayed a CUDA graph (0 on CPU, where every step is eager)."""
     picked = [s for s in steps if s.prefill_tokens == 0 and s.speculated == speculated]
     if not picked:
         return {}
@@ -264,6 +265,7 @@ def breakdown(steps: list[target_pb2.StepStats], speculated: bool) -> dict[str, 
         "forward_launch_cpu_ms": med([s.forward_launch_cpu_s for s in picked]),
         "bookkeeping_ms": med([s.total_s - s.draft_s - s.forward_s for s in picked]),
         "total_ms": med([s.total_s for s in picked]),
+        "graphed_share": sum(s.graphed for s in picked) / len(picked),
     }
 
 

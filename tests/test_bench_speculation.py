@@ -18,9 +18,10 @@ from splitspec.v1 import common_pb2, target_pb2
 
 
 def step(n: int, speculated: bool, total_s: float, draft_s: float = 0.0,
-         batch_size: int = 1, sent: int = 0) -> target_pb2.StepStats:
+         batch_size: int = 1, sent: int = 0, graphed: bool = False) -> target_pb2.StepStats:
     return target_pb2.StepStats(step=n, batch_size=batch_size, speculated=speculated,
-                                total_s=total_s, draft_s=draft_s, draft_input_tokens=sent)
+                                total_s=total_s, draft_s=draft_s, draft_input_tokens=sent,
+                                graphed=graphed)
 
 
 def test_a_runs_time_splits_into_prompts_plain_speculative_resumed_and_between_steps():
@@ -49,17 +50,20 @@ def test_a_runs_time_splits_into_prompts_plain_speculative_resumed_and_between_s
 
 def test_every_run_is_recorded_with_its_rate_parts_and_time_split():
     """--out-json keeps each run's figures: a run of 30 tokens in 0.02 s whose two decode
-    steps (one speculative, one plain) and prompt step split its wall time."""
+    steps (one speculative, one plain) and prompt step split its wall time; of the plain
+    steps, one replayed a CUDA graph and one ran eagerly."""
     prompt = target_pb2.StepStats(step=0, batch_size=0, prefill_tokens=16, total_s=0.003)
     stats = bs.RunStats(tokens=30, wall_s=0.020, steps=[
-        prompt, step(1, True, 0.004, draft_s=0.002), step(2, False, 0.001)])
+        prompt, step(1, True, 0.004, draft_s=0.002, graphed=True), step(2, False, 0.001),
+        step(3, False, 0.001, graphed=True)])
     stats.add_request(common_pb2.SpecStats(verify_steps=1, accepted_tokens=2))
     record = bs.run_record(stats)
     assert record["tokens_per_s"] == pytest.approx(1500.0)
     assert record["mean_accepted"] == pytest.approx(2.0)
     assert record["step"]["steps"] == 1 and record["step"]["draft_ms"] == pytest.approx(2.0)
-    assert record["plain_step"]["steps"] == 1
-    assert record["time_split"]["between_steps_s"] == pytest.approx(0.012)
+    assert record["step"]["graphed_share"] == 1.0
+    assert record["plain_step"]["steps"] == 2 and record["plain_step"]["graphed_share"] == 0.5
+    assert record["time_split"]["between_steps_s"] == pytest.approx(0.020 - 0.009)
     json.dumps(record)  # it must be writable as JSON
 
 
