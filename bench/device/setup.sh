@@ -6,16 +6,22 @@
 # kernel cache into .fiws, restored from .out/fiws.txz when carried (flashinfer's kernels
 # linked where it loads them without a build: aot_links.sh). save_kernel_cache
 # writes .fiws back to $OUT/fiws.txz: copy it to .out/ here for the next call.
-mkdir -p .site && tar -xJf .whl/site.txz -C .site --strip-components=1
-export PYTHONPATH="$PWD/.site:$PWD"
-export FLASHINFER_WORKSPACE_BASE="$PWD/.fiws"
-export TRITON_CACHE_DIR="$PWD/.fiws/triton"
-mkdir -p .fiws
-if [ -f .out/fiws.txz ]; then tar -xJf .out/fiws.txz -C .fiws; fi
-source bench/device/aot_links.sh
-link_cached_kernels .site .fiws
-nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
-python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__, 'gpus', torch.cuda.device_count())"
+# A script that sources this and then runs another that sources it too (host_cold.sh runs
+# profile_served.sh) unpacks once: SPLITSPEC_DEVICE_SETUP, exported, names the folder it
+# was done in, and lives only as long as the call's processes.
+if [ "${SPLITSPEC_DEVICE_SETUP:-}" != "$PWD" ]; then
+    mkdir -p .site && tar -xJf .whl/site.txz -C .site --strip-components=1
+    export PYTHONPATH="$PWD/.site:$PWD"
+    export FLASHINFER_WORKSPACE_BASE="$PWD/.fiws"
+    export TRITON_CACHE_DIR="$PWD/.fiws/triton"
+    mkdir -p .fiws
+    if [ -f .out/fiws.txz ]; then tar -xJf .out/fiws.txz -C .fiws; fi
+    source bench/device/aot_links.sh
+    link_cached_kernels .site .fiws
+    nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+    python3 -c "import torch, flashinfer; print('torch', torch.__version__, 'flashinfer', flashinfer.__version__, 'gpus', torch.cuda.device_count())"
+    export SPLITSPEC_DEVICE_SETUP="$PWD"
+fi
 
 save_kernel_cache() {  # (written aside, then renamed: a call that runs out of time while it
     # compresses leaves no truncated archive to be carried into the next call)
