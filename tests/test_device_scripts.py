@@ -1,6 +1,7 @@
 """The device scripts' shell helpers, run with bash: the A/B helper (bench/device/ab_trees.sh:
-which code trees an A/B call compares, and the order each round runs them in) and setup.sh's
-link of the carried flashinfer kernels (bench/device/aot_links.sh)."""
+which code trees an A/B call compares, and the order each round runs them in), setup.sh's
+link of the carried flashinfer kernels (bench/device/aot_links.sh) and its unpacking, done
+once a call."""
 
 from __future__ import annotations
 
@@ -83,6 +84,43 @@ def test_cached_flashinfer_kernels_are_linked_into_the_aot_folder_once(tmp_path)
                            timeout=30)  # a warm machine runs setup.sh again
     assert again.returncode == 0, again.stderr
     assert "linked from the carried cache: 0" in again.stdout
+
+
+NESTED = """set -u
+source bench/device/setup.sh
+echo "outer: $(cat .site/marker)"
+echo changed > .site/marker
+bash -c 'source bench/device/setup.sh; echo "inner: $(cat .site/marker)"; type save_kernel_cache'
+"""
+
+
+def test_setup_unpacks_once_when_a_script_it_runs_sources_it_again(tmp_path):
+    """host_cold.sh sources setup.sh, then runs profile_served.sh, which sources it too: the
+    second, in a child process, leaves the unpacked packages as they are (no second unpack,
+    no second GPU query) and still defines the helpers. nvidia-smi and python3 are stubs
+    that count their calls."""
+    device = tmp_path / "bench" / "device"
+    device.mkdir(parents=True)
+    for name in ("setup.sh", "aot_links.sh"):
+        shutil.copy(REPO / "bench" / "device" / name, device)
+    (tmp_path / "pkg" / "site").mkdir(parents=True)
+    (tmp_path / "pkg" / "site" / "marker").write_text("unpacked\n")
+    (tmp_path / ".whl").mkdir()
+    subprocess.run(["tar", "-cJf", ".whl/site.txz", "-C", "pkg", "site"], cwd=tmp_path,
+                   check=True, timeout=30)
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for name in ("nvidia-smi", "python3"):
+        (stubs / name).write_text(f"#!/bin/sh\necho {name} >> {tmp_path}/calls\n")
+        (stubs / name).chmod(0o755)
+    env = {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(["bash", "-c", NESTED], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=30, env=env)
+    assert done.returncode == 0, done.stderr
+    assert "outer: unpacked" in done.stdout
+    assert "inner: changed" in done.stdout  # not unpacked over again
+    assert "save_kernel_cache is a function" in done.stdout
+    assert (tmp_path / "calls").read_text().split() == ["nvidia-smi", "python3"]
 
 
 def test_every_device_script_parses():
