@@ -24,7 +24,9 @@ outbox is read by the real ``TargetServicer.Serve`` in a real gRPC server in thi
 and a client in another process receives them. Without it nothing reads the outbox. The
 difference is what the sending threads cost the engine's thread: every torch call
 releases the GIL, and while they hold it the step waits (docs/benchmarks.md,
-twenty-seventh part).
+twenty-seventh part; the wall time above the CPU time), and the engine's own code runs
+slower after them (its CPU time above the memory sink's: forty-seventh part). Each line
+gives the engine thread's own CPU time a step beside the wall time.
 
     python bench/bench_engine_host.py                      # batch 1, 8, 64; 3 repeats
     python bench/bench_engine_host.py --batch 1,64 --steps 400 --out-json /tmp/host.json
@@ -43,6 +45,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -175,13 +178,21 @@ def client_main(address: str) -> None:
     os._exit(0)  # gRPC's thread still waits on the request iterator
 
 
+class HostTime(NamedTuple):
+    """Median microseconds a step: wall time, and the engine thread's own CPU time (less
+    than the wall where the thread waited: for the GIL, a sleep, the stand-in device)."""
+
+    wall_us: float
+    cpu_us: float
+
+
 def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64,
                      sink: str = "memory", launch_calls: int = 0, device_s: float = 0.0,
-                     idle_s: float = 0.0) -> float:
-    """Median microseconds of ``Engine.step`` over ``steps`` decode steps of ``batch``
-    sequences (the prompts' step and the first decode step are not timed), with the events
-    left in the outbox (``sink`` memory) or sent over gRPC (``grpc``: ``GrpcSink``), each
-    step after an untimed sleep of ``idle_s`` when given."""
+                     idle_s: float = 0.0) -> HostTime:
+    """``Engine.step`` over ``steps`` decode steps of ``batch`` sequences (the prompts' step
+    and the first decode step are not timed), with the events left in the outbox (``sink``
+    memory) or sent over gRPC (``grpc``: ``GrpcSink``), each step after an untimed sleep of
+    ``idle_s`` when given."""
     new_tokens = (steps + 2) * (3 if mode == "tree" else 1)
     per_seq = -(-(prompt_len + new_tokens + MAX_TREE_NODES + 1) // PAGE)
     runner = StandInRunner(batch * per_seq, launch_calls, device_s)
@@ -211,13 +222,14 @@ def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64,
     engine._drain_inbox(block=False)  # the loop's own intake, without its thread
     engine.step()  # the prompts
     engine.step()  # the first decode step (the draft's first request carries the prompts)
-    times = []
+    times, cpu_times = [], []
     for _ in range(steps):
         if idle_s:
             time.sleep(idle_s)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         engine.step()
         times.append(time.perf_counter() - start)
+        cpu_times.append(time.thread_time() - start_cpu)
     if sending is not None and (received := sending.close()) < steps:
         raise RuntimeError(f"the client received {received} events of {steps}+ steps")
     last = engine.last_stats
@@ -226,7 +238,7 @@ def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64,
                            f"{batch}), speculated: {last.speculated}")
     if mode == "tree" and last.accepted_tokens != 2 * batch:
         raise RuntimeError(f"tree: {last.accepted_tokens} nodes accepted, not 2 a sequence")
-    return 1e6 * statistics.median(times)
+    return HostTime(1e6 * statistics.median(times), 1e6 * statistics.median(cpu_times))
 
 
 def main() -> int:
@@ -259,26 +271,32 @@ def main() -> int:
     torch.set_num_threads(1)
     settings = [(m, k, m if k == "memory" else f"{m} {k}") for m in modes for k in sinks]
     runs: dict[str, list[float]] = {f"{x} {b}": [] for b in args.batch for *_, x in settings}
+    cpu_runs: dict[str, list[float]] = {key: [] for key in runs}
     for _ in range(args.repeats):
         for batch in args.batch:
             for mode, sink, label in settings:  # alternated, so drift hits all alike
-                runs[f"{label} {batch}"].append(host_us_per_step(
+                took = host_us_per_step(
                     mode, batch, args.steps, sink=sink, launch_calls=args.launch_calls,
-                    device_s=args.device_us / 1e6, idle_s=args.idle_us / 1e6))
+                    device_s=args.device_us / 1e6, idle_s=args.idle_us / 1e6)
+                runs[f"{label} {batch}"].append(took.wall_us)
+                cpu_runs[f"{label} {batch}"].append(took.cpu_us)
     waits = f", a {args.device_us:g} us device wait included" if args.device_us else ""
     waits += f", each after an untimed {args.idle_us:g} us sleep" if args.idle_us else ""
     print(f"Engine.step host time, stand-in model, {args.steps} steps a run, median of "
-          f"{args.repeats} runs (us a step; us a sequence){waits}")
+          f"{args.repeats} runs (us a step; us a sequence; the engine thread's own CPU time "
+          f"a step){waits}")
     first = settings[0][2]
     for batch in args.batch:
         base = statistics.median(runs[f"{first} {batch}"])
         for *_, label in settings:
             us = statistics.median(runs[f"{label} {batch}"])
+            cpu = statistics.median(cpu_runs[f"{label} {batch}"])
             print(f"  batch {batch:3d} {label:13s}: {us:8.1f} us ({us / batch:6.1f} a "
-                  f"sequence), {us - base:+7.1f} vs {first}; runs " + ", ".join(
-                      f"{r:.1f}" for r in runs[f"{label} {batch}"]))
+                  f"sequence), {us - base:+7.1f} vs {first}; CPU {cpu:8.1f} us; runs "
+                  + ", ".join(f"{r:.1f}" for r in runs[f"{label} {batch}"]))
     if args.out_json:
-        args.out_json.write_text(json.dumps({"steps": args.steps, "runs_us": runs}, indent=1))
+        args.out_json.write_text(json.dumps({"steps": args.steps, "runs_us": runs,
+                                             "runs_cpu_us": cpu_runs}, indent=1))
     return 0
 
 

@@ -18,9 +18,13 @@ def test_the_bench_times_each_mode_and_batch_and_writes_every_run(tmp_path):
     lines = [line for line in done.stdout.splitlines() if line.startswith("  batch")]
     assert [line.split(":")[0].split() for line in lines] == [
         ["batch", str(b), mode] for b in (1, 3) for mode in ("off", "auto-off", "tree")]
-    runs = json.loads(out.read_text())["runs_us"]
+    assert all("; CPU " in line for line in lines)
+    written = json.loads(out.read_text())
+    runs = written["runs_us"]
     assert set(runs) == {f"{mode} {b}" for b in (1, 3) for mode in ("off", "auto-off", "tree")}
     assert all(len(r) == 2 and all(us > 0 for us in r) for r in runs.values())
+    assert {key: len(r) for key, r in written["runs_cpu_us"].items()} == {
+        key: 2 for key in runs}
 
 
 def test_unknown_modes_are_refused():
@@ -39,9 +43,12 @@ def test_the_grpc_sink_sends_every_step_to_a_client_process(tmp_path):
                            "--out-json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
     assert "a 50 us device wait included" in done.stdout
-    runs = json.loads(out.read_text())["runs_us"]
-    assert set(runs) == {"off 2", "off grpc 2"}
+    written = json.loads(out.read_text())
+    runs, cpu = written["runs_us"], written["runs_cpu_us"]
+    assert set(runs) == set(cpu) == {"off 2", "off grpc 2"}
     assert all(us >= 50 for r in runs.values() for us in r)  # the wait is in every step
+    # ... in its wall time, not in the engine thread's CPU time (the stand-in sleeps)
+    assert all(0 < c < w - 25 for key in runs for w, c in zip(runs[key], cpu[key], strict=True))
 
 
 def test_unknown_sinks_are_refused():
