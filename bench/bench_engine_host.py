@@ -25,8 +25,11 @@ and a client in another process receives them. Without it nothing reads the outb
 difference is what the sending threads cost the engine's thread: every torch call
 releases the GIL, and while they hold it the step waits (docs/benchmarks.md,
 twenty-seventh part; the wall time above the CPU time), and the engine's own code runs
-slower after them (its CPU time above the memory sink's: forty-seventh part). Each line
-gives the engine thread's own CPU time a step beside the wall time.
+slower after them (its CPU time above the memory sink's: forty-seventh part). ``--sink
+pipe`` is how the events could leave an engine process that runs no other Python thread
+(the gRPC server in a process of its own): each event is serialized on the engine's thread
+and written to a pipe, which another process reads. Each line gives the engine thread's
+own CPU time a step beside the wall time.
 
     python bench/bench_engine_host.py                      # batch 1, 8, 64; 3 repeats
     python bench/bench_engine_host.py --batch 1,64 --steps 400 --out-json /tmp/host.json
@@ -70,7 +73,7 @@ FEATURES = 768  # the built-in target's three captured layers of 256
 TREE = common_pb2.DraftShape(num_draft_tokens=4, topk=2, num_steps=2)
 MAX_TREE_NODES = 8  # the scheduler reserves room for the largest tree
 MODES = ("off", "auto-off", "tree")
-SINKS = ("memory", "grpc")
+SINKS = ("memory", "grpc", "pipe")
 CONNECT_S = 30.0
 
 
@@ -164,6 +167,46 @@ class GrpcSink:
         return int(out.split()[-1])
 
 
+class PipeSink:
+    """Each event serialized on the engine's thread, where ``Engine._flush`` hands it over,
+    and written length-first to a pipe that another process (this script, ``--pipe-reader``)
+    reads and counts: no other thread of this process does any work for it."""
+
+    def __init__(self, outbox: queue.Queue) -> None:
+        read, self._write = os.pipe()
+        self.reader = subprocess.Popen([sys.executable, __file__, "--pipe-reader", str(read)],
+                                       pass_fds=(read,), stdout=subprocess.PIPE, text=True)
+        os.close(read)
+        outbox.put = self.put  # (this queue's own put: the engine's stream hands events here)
+
+    def put(self, event: target_pb2.ServeEvent) -> None:
+        data = event.SerializeToString()
+        frame = memoryview(len(data).to_bytes(4, "little") + data)
+        while frame:
+            frame = frame[os.write(self._write, frame):]
+
+    def close(self) -> int:
+        """End the pipe; the number of events the reader received."""
+        os.close(self._write)
+        out, _ = self.reader.communicate(timeout=CONNECT_S)
+        if self.reader.returncode:
+            raise RuntimeError(f"the pipe's reader failed (exit {self.reader.returncode})")
+        return int(out.split()[-1])
+
+
+def pipe_reader_main(fd: int) -> None:
+    """Read length-first ServeEvents from pipe ``fd`` until it ends; print how many came."""
+    events, buffered = 0, b""
+    with os.fdopen(fd, "rb", buffering=0) as pipe:
+        while chunk := pipe.read(1 << 16):
+            buffered += chunk
+            while len(buffered) >= 4 and len(buffered) >= 4 + (size := int.from_bytes(
+                    buffered[:4], "little")):
+                target_pb2.ServeEvent.FromString(buffered[4:4 + size])
+                buffered, events = buffered[4 + size:], events + 1
+    print(events, flush=True)
+
+
 def client_main(address: str) -> None:
     """Receive every event of one Serve stream, sending nothing; print how many came."""
     blocked = threading.Event()
@@ -191,8 +234,8 @@ def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64,
                      idle_s: float = 0.0) -> HostTime:
     """``Engine.step`` over ``steps`` decode steps of ``batch`` sequences (the prompts' step
     and the first decode step are not timed), with the events left in the outbox (``sink``
-    memory) or sent over gRPC (``grpc``: ``GrpcSink``), each step after an untimed sleep of
-    ``idle_s`` when given."""
+    memory), sent over gRPC (``grpc``: ``GrpcSink``) or written to a pipe (``pipe``:
+    ``PipeSink``), each step after an untimed sleep of ``idle_s`` when given."""
     new_tokens = (steps + 2) * (3 if mode == "tree" else 1)
     per_seq = -(-(prompt_len + new_tokens + MAX_TREE_NODES + 1) // PAGE)
     runner = StandInRunner(batch * per_seq, launch_calls, device_s)
@@ -210,7 +253,8 @@ def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64,
 
         engine._choose = wait_then_choose
     stream, outbox = engine.open_stream()
-    sending = GrpcSink(engine, stream, outbox) if sink == "grpc" else None
+    sending = (GrpcSink(engine, stream, outbox) if sink == "grpc" else
+               PipeSink(outbox) if sink == "pipe" else None)
     speculation = {"off": common_pb2.SPECULATION_MODE_OFF, "auto-off": common_pb2.SPECULATION_MODE_AUTO,
                    "tree": common_pb2.SPECULATION_MODE_ON}[mode]
     if mode == "auto-off":
@@ -261,9 +305,13 @@ def main() -> int:
                              "after its thread waited (for a request, the draft or the device), "
                              "and host code runs slower right after a wait than in a loop")
     parser.add_argument("--client", help=argparse.SUPPRESS)  # GrpcSink's receiving process
+    parser.add_argument("--pipe-reader", type=int, help=argparse.SUPPRESS)  # PipeSink's
     args = parser.parse_args()
     if args.client:
         client_main(args.client)
+    if args.pipe_reader is not None:
+        pipe_reader_main(args.pipe_reader)
+        return 0
     modes, sinks = args.modes.split(","), args.sinks.split(",")
     for given, known, what in ((modes, MODES, "modes"), (sinks, SINKS, "sinks")):
         if unknown := sorted(set(given) - set(known)):

@@ -3,9 +3,12 @@ each request mode and batch size, its setup checked by the bench itself (the bat
 meant, speculation only where meant, the tree's two moved nodes accepted)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+
+from splitspec.v1 import target_pb2
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,6 +52,38 @@ def test_the_grpc_sink_sends_every_step_to_a_client_process(tmp_path):
     assert all(us >= 50 for r in runs.values() for us in r)  # the wait is in every step
     # ... in its wall time, not in the engine thread's CPU time (the stand-in sleeps)
     assert all(0 < c < w - 25 for key in runs for w, c in zip(runs[key], cpu[key], strict=True))
+
+
+def test_the_pipe_sink_writes_every_step_to_a_reading_process(tmp_path):
+    """--sinks pipe: each event serialized on the engine's thread and written to a pipe; the
+    reading process parses them and must count an event for every timed step (the bench
+    refuses fewer)."""
+    out = tmp_path / "host.json"
+    subprocess.run([sys.executable, "bench/bench_engine_host.py", "--batch", "2",
+                    "--modes", "off,tree", "--sinks", "pipe", "--steps", "20",
+                    "--repeats", "1", "--out-json", str(out)],
+                   cwd=REPO, capture_output=True, text=True, timeout=300, check=True)
+    runs = json.loads(out.read_text())["runs_us"]
+    assert set(runs) == {"off pipe 2", "tree pipe 2"}
+    assert all(us > 0 for r in runs.values() for us in r)
+
+
+def test_a_pipe_reader_counts_the_whole_events_it_was_sent():
+    """The reading process of --sinks pipe: length-first ServeEvents, split anywhere by the
+    pipe's reads, each parsed; it prints how many came."""
+    events = [target_pb2.ServeEvent(stats=target_pb2.StepStats(step=n, batch_size=n))
+              for n in range(300)]
+    data = b"".join(len(b := e.SerializeToString()).to_bytes(4, "little") + b for e in events)
+    read, write = os.pipe()
+    reader = subprocess.Popen([sys.executable, "bench/bench_engine_host.py", "--pipe-reader",
+                               str(read)], cwd=REPO, pass_fds=(read,), stdout=subprocess.PIPE,
+                              text=True)
+    os.close(read)
+    for start in range(0, len(data), 7):  # in small pieces: frames cut across reads
+        os.write(write, data[start:start + 7])
+    os.close(write)
+    out, _ = reader.communicate(timeout=60)
+    assert reader.returncode == 0 and out.split() == ["300"]
 
 
 def test_unknown_sinks_are_refused():
