@@ -200,10 +200,12 @@ def pipe_reader_main(fd: int) -> None:
     with os.fdopen(fd, "rb", buffering=0) as pipe:
         while chunk := pipe.read(1 << 16):
             buffered += chunk
-            while len(buffered) >= 4 and len(buffered) >= 4 + (size := int.from_bytes(
-                    buffered[:4], "little")):
-                target_pb2.ServeEvent.FromString(buffered[4:4 + size])
-                buffered, events = buffered[4 + size:], events + 1
+            at = 0  # (frames parsed in place: the reader must keep up, or the writes block)
+            while len(buffered) - at >= 4 and len(buffered) - at >= 4 + (
+                    size := int.from_bytes(buffered[at:at + 4], "little")):
+                target_pb2.ServeEvent.FromString(buffered[at + 4:at + 4 + size])
+                at, events = at + 4 + size, events + 1
+            buffered = buffered[at:]
     print(events, flush=True)
 
 
