@@ -277,7 +277,7 @@ def host_us_per_step(mode: str, batch: int, steps: int, prompt_len: int = 64,
         times.append(time.perf_counter() - start)
         cpu_times.append(time.thread_time() - start_cpu)
     if sending is not None and (received := sending.close()) < steps:
-        raise RuntimeError(f"the client received {received} events of {steps}+ steps")
+        raise RuntimeError(f"the receiving process got {received} events of {steps}+ steps")
     last = engine.last_stats
     if last.batch_size != batch or last.speculated != (mode == "tree"):
         raise RuntimeError(f"{mode}: the last step decoded {last.batch_size} sequences (not "
