@@ -160,11 +160,10 @@ class GrpcSink:
     def close(self) -> int:
         """End the stream; the number of events the client received."""
         self.outbox.put(None)
-        out, _ = self.client.communicate(timeout=CONNECT_S)
-        self.server.stop(0)
-        if self.client.returncode:
-            raise RuntimeError(f"the client failed (exit {self.client.returncode})")
-        return int(out.split()[-1])
+        try:
+            return counted(self.client, "the client")
+        finally:
+            self.server.stop(0)
 
 
 class PipeSink:
@@ -188,10 +187,15 @@ class PipeSink:
     def close(self) -> int:
         """End the pipe; the number of events the reader received."""
         os.close(self._write)
-        out, _ = self.reader.communicate(timeout=CONNECT_S)
-        if self.reader.returncode:
-            raise RuntimeError(f"the pipe's reader failed (exit {self.reader.returncode})")
-        return int(out.split()[-1])
+        return counted(self.reader, "the pipe's reader")
+
+
+def counted(process: subprocess.Popen, what: str) -> int:
+    """The number of events a receiving process printed last, once it has ended."""
+    out, _ = process.communicate(timeout=CONNECT_S)
+    if process.returncode:
+        raise RuntimeError(f"{what} failed (exit {process.returncode})")
+    return int(out.split()[-1])
 
 
 def pipe_reader_main(fd: int) -> None:
