@@ -9,8 +9,12 @@
 # steps take about 0.3 ms more host time than the same calls in a loop on a GPU host
 # (forty-fifth part). Runs bench/device/wake_cost.py (free, then pinned to one core), the
 # engine bench with and without --idle-us, then profile_served.sh (the served pair with the
-# target's engine thread profiled). Everything in $OUT (host_cold.log, profile_served.log).
-# Run in session 61 on an H100 host: a wait slows the code after it only 1.1-1.3x there.
+# target's engine thread profiled). The engine bench also sends each step's events through
+# gRPC threads beside the engine and through a pipe to another process (--sinks; on the VM
+# the pipe costs nothing and the gRPC threads 50-250 us a step: forty-seventh part).
+# Everything in $OUT (host_cold.log, profile_served.log).
+# Run in session 61 on an H100 host: a wait slows the code after it only 1.1-1.3x there;
+# session 62's H100 host (its wake_cost and engine rows alone): 2.6x, as on the VM.
 set -uo pipefail
 source bench/device/setup.sh > /dev/null
 {
@@ -21,7 +25,7 @@ source bench/device/setup.sh > /dev/null
     taskset -c 3 python3 bench/device/wake_cost.py
     for idle in 0 1000; do
         python3 bench/bench_engine_host.py --batch 1 --modes off,tree --steps 600 \
-            --repeats 3 --idle-us "$idle" | tail -3
+            --repeats 3 --idle-us "$idle" --sinks memory,pipe,grpc | tail -7
     done
 } 2>&1 | tee "$OUT/host_cold.log"
 bash bench/device/profile_served.sh "$@" > /dev/null 2>&1

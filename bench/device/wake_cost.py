@@ -11,7 +11,8 @@ cache) is part of that.
 
 Prints, per wait, the unit's median microseconds right after it and once more after that
 (a slow first and a fast second: the wait left the caches cold), and how long it took.
-Session 61: 2.5-4.5x after a 1 ms sleep on the development VM, 1.45x on an H100 host.
+Session 61: 2.5-4.5x after a 1 ms sleep on the development VM, 1.45x on an H100 host;
+session 62: 2.6x on another H100 host (docs/benchmarks.md, forty-seventh part).
 """
 
 from __future__ import annotations
