@@ -64,6 +64,15 @@ class DraftConfig:
                                    "request and copy them once on the host, as an EAGLE-3 draft "
                                    "does, so the exchange carries what it would with a head of "
                                    "the target's shape; the trees do not use them")
+    replay_cost_model: Path | None = option(None, "--kind replay: a draft model folder (an "
+                                            "EAGLE-3 head or a small Llama; random weights "
+                                            "will do) run on every request as a draft of its "
+                                            "kind runs (catch-up, then the tree search of the "
+                                            "shape asked) and its trees thrown away, so the "
+                                            "draft's time is that model's while the trees stay "
+                                            "the replay's; an EAGLE-3 head has the target send "
+                                            "its features (--replay-features then adds "
+                                            "nothing); --quantize applies to it")
     graph_trees: str = option("4x4", "tree shapes (TOPKxDEPTH, comma-separated) whose drafting is "
                               "captured as CUDA graphs, per batch-size bucket up to --max-running "
                               "(CUDA with flashinfer); other shapes draft eagerly; '' = none")
@@ -114,15 +123,18 @@ class DraftConfig:
             if value < 1:
                 raise ValueError(f"{flag} must be at least 1, got {value}")
         self.graph_shapes  # noqa: B018 - raises on a malformed --graph-trees
-        if self.quantize != "none" and self.kind == REPLAY:
-            raise ValueError(f"--quantize {self.quantize}: the replay draft has no weights")
+        if self.quantize != "none" and self.kind == REPLAY and self.replay_cost_model is None:
+            raise ValueError(f"--quantize {self.quantize}: the replay draft has no weights (but "
+                             "its --replay-cost-model has)")
         if self.quantize != "none" and self.device.startswith("cuda") and self.dtype == "float32":
             raise ValueError(f"--quantize {self.quantize} on CUDA needs --dtype bfloat16 or "
                              "float16 (its kernel multiplies 2-byte activations)")
         if self.kind == REPLAY:
             self.check_replay()
-        elif self.replay_file is not None or self.replay_features:
-            flag = "--replay-file" if self.replay_file is not None else "--replay-features"
+        elif (self.replay_file is not None or self.replay_features
+              or self.replay_cost_model is not None):
+            flag = ("--replay-file" if self.replay_file is not None else
+                    "--replay-features" if self.replay_features else "--replay-cost-model")
             raise ValueError(f"{flag} is only read by --kind replay, not --kind {self.kind}")
         elif not Path(self.model).is_dir():
             raise FileNotFoundError(f"--model {self.model} is not a folder")
@@ -142,6 +154,9 @@ class DraftConfig:
         if not 0 <= self.replay_corrupt_rate <= 1:  # NaN fails too
             raise ValueError(f"--replay-corrupt-rate must be in [0, 1], got "
                              f"{self.replay_corrupt_rate}")
+        if self.replay_cost_model is not None and not Path(self.replay_cost_model).is_dir():
+            raise FileNotFoundError(f"--replay-cost-model {self.replay_cost_model} is not a "
+                                    "folder")
         if self.sampled_trees:
             raise ValueError("--sampled-trees does not apply to --kind replay: its trees are "
                              "deterministic (drop --sampled-trees)")

@@ -59,6 +59,7 @@ class DraftSpec:
     tokenizer_sha256: str               # "" when no tokenizer.json was found
     label: str = ""                     # the name DraftInfo shows; "" = model_dir's name
     features: bool = False              # the replay draft taking an EAGLE-3 head's features
+    cost: DraftSpec | None = None       # the model the replay draft runs for its time alone
 
     @property
     def needs_hidden_states(self) -> bool:

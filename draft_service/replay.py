@@ -33,6 +33,13 @@ the target captures them and sends them with every request, as it does for a hea
 shape, and the draft checks their size and copies them once. The trees do not use them;
 the exchange then carries what it would with such a head (24 KiB a token at the 8B shape).
 
+Cost. The trees cost the draft next to nothing, so alone it measures the target's side of
+speculation only. With ``--replay-cost-model`` (an EAGLE-3 head of the target's shape, say,
+with random weights) the draft also runs that model on every request as a draft of its kind
+would (catch-up with the features it asks for, then the tree search of the shape asked,
+CUDA graphs and all) and throws its trees away: the exchange then takes what that model's
+drafting takes, while the trees, and so the acceptance, stay the replay's.
+
 Randomness. Each tree draws from its own generator, seeded by the record's digest and n:
 a run is reproducible, and every tree's corruption is independent of the other trees'.
 
@@ -50,8 +57,10 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import logging
 import random
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -64,36 +73,52 @@ from draft_service.drafter import (
     SeqBase,
     SeqError,
     SeqInput,
+    SeqResult,
     Session,
     TreeShape,
     wire_features,
 )
-from draft_service.models import REPLAY, DraftSpec, eagle3_entries
+from draft_service.models import EAGLE3, REPLAY, DraftSpec, eagle3_entries, read_spec
 from draft_service.tree_search import WireFeatures
 from splitspec.model.config import LlamaConfig, read_hf_config
 from splitspec.replay import ReplayRecord
 from splitspec.staging import reuse
 from splitspec.tokenizer import TOKENIZER_FILE, tokenizer_sha256
-from splitspec.tree import Tree
+from splitspec.tree import EMPTY_TREE, Tree
+
+log = logging.getLogger(__name__)
 
 MISS_KEY_TOKENS = 8  # a miss's tree is seeded by the last this many tokens (and n)
 
 
-def replay_name(records: Path, corrupt_rate: float, features: bool = False) -> str:
+def replay_name(records: Path, corrupt_rate: float, features: bool = False,
+                cost: DraftSpec | None = None) -> str:
     """The label results made with the replay draft carry (DraftInfo.model_name)."""
-    return f"replay({records.name}, corrupt {corrupt_rate:.2f}{', features' if features else ''})"
+    extra = (", features" if features and cost is None else "") + (
+        f", cost {cost.name}" if cost is not None else "")
+    return f"replay({records.name}, corrupt {corrupt_rate:.2f}{extra})"
 
 
 def read_replay_spec(records: Path, corrupt_rate: float, target_dir: Path,
-                     features: bool = False) -> DraftSpec:
+                     features: bool = False, cost_model: Path | None = None) -> DraftSpec:
     """The DraftInfo facts of the replay draft: the target's vocabulary, layer count and
     tokenizer fingerprint (the records are read by load_model); with ``features``, the
-    target's hidden size, whose default three layer inputs it then asks for."""
+    target's hidden size, whose default three layer inputs it then asks for. With
+    ``cost_model`` (its spec in ``cost``), an EAGLE-3 head's features instead: the head's
+    hidden size and layers."""
     target = LlamaConfig.from_hf(read_hf_config(target_dir))
     sha = tokenizer_sha256(target_dir) if (target_dir / TOKENIZER_FILE).is_file() else ""
-    return DraftSpec(REPLAY, records, target_dir, target.vocab_size,
-                     target.hidden_size if features else 0, (), target.num_layers, sha,
-                     label=replay_name(records, corrupt_rate, features), features=features)
+    hidden, aux, cost = target.hidden_size if features else 0, (), None
+    if cost_model is not None:
+        cost = read_spec(cost_model, "auto", target_dir)
+        if cost.vocab_size != target.vocab_size:
+            raise ValueError(f"--replay-cost-model {cost_model} reads a vocabulary of "
+                             f"{cost.vocab_size} tokens, the target {target.vocab_size}")
+        if cost.kind == EAGLE3:
+            hidden, aux, features = cost.target_hidden_size, cost.aux_layer_inputs, True
+    return DraftSpec(REPLAY, records, target_dir, target.vocab_size, hidden, aux,
+                     target.num_layers, sha, label=replay_name(records, corrupt_rate, features, cost),
+                     features=features, cost=cost)
 
 
 def _digest(tokens: list[int], tag: bytes) -> int:
@@ -169,11 +194,24 @@ class ReplaySeq(SeqBase):
     unmatched: int | None = None  # no record begins with the first `unmatched` of `tokens`
 
 
+@dataclass
+class CostedSession(Session):
+    """A replay session and the session of the same sequences in the cost model's drafter."""
+
+    cost: Session = field(default_factory=Session)
+
+
 class ReplayDrafter(BaseDrafter):
-    """Drafts from the records (see the module docstring); holds no model and no cache."""
+    """Drafts from the records (see the module docstring); holds no model and no cache.
+
+    With ``cost`` (``--replay-cost-model``), a model's drafter runs every request first, as
+    it would serve it, and its trees are thrown away: the exchange then takes that model's
+    time. It checks and takes the features (the replay's ``feature_dim`` is then 0); a
+    sequence it cannot serve fails here too, so that the target resends it to both."""
 
     def __init__(self, book: ReplayBook, corrupt_rate: float, vocab_size: int,
-                 limits: DrafterLimits, feature_dim: int = 0) -> None:
+                 limits: DrafterLimits, feature_dim: int = 0,
+                 cost: BaseDrafter | None = None) -> None:
         # topk at most vocab_size - 1: a node's children must avoid the true token too.
         super().__init__(limits, vocab_size, vocab_size - 1)
         self.book = book
@@ -181,6 +219,35 @@ class ReplayDrafter(BaseDrafter):
         self.feature_dim = feature_dim  # --replay-features: an EAGLE-3 head's feature width
         self.feature_bytes = 0          # features taken (and copied) since start
         self._host = torch.empty(0, dtype=torch.uint8)  # where they are copied, reused
+        self.cost = cost
+        if cost is not None and feature_dim:
+            raise ValueError("with a cost model, the model's drafter takes the features")
+
+    def open_session(self) -> Session:
+        if self.cost is None:
+            return super().open_session()
+        return CostedSession(cost=self.cost.open_session())
+
+    def close_session(self, session: Session) -> None:
+        super().close_session(session)
+        if isinstance(session, CostedSession):
+            self.cost.close_session(session.cost)
+
+    def draft(self, session: Session, seqs: list[SeqInput], release_ids: Iterable[int] = ()
+              ) -> list[SeqResult]:
+        if not isinstance(session, CostedSession):
+            return super().draft(session, seqs, release_ids)
+        release_ids = list(release_ids)
+        costed = self.cost.draft(session.cost, seqs, release_ids)
+        results = super().draft(session, seqs, release_ids)
+        for i, (mine, theirs) in enumerate(zip(results, costed, strict=True)):
+            if theirs.error and not mine.error:
+                log.warning("replay draft drops sequence %d: its cost model could not serve "
+                            "it", mine.seq_id)
+                with self._lock:
+                    self._drop(session, mine.seq_id)
+                results[i] = SeqResult(mine.seq_id, EMPTY_TREE, f"cost model: {theirs.error}")
+        return results
 
     def _new_state(self) -> ReplaySeq:
         return ReplaySeq()

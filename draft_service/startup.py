@@ -6,7 +6,8 @@ turns SERVING in __main__ only after all of them. The port is bound second, so
 a taken port fails start-up in seconds, not after the model is loaded; nothing
 is served on it before start_server. The replay draft runs the
 same steps (:func:`build_replay`): load_model reads its records, and the steps
-for a model's cache, attention and graphs do nothing.
+for a model's cache, attention and graphs do nothing, unless it has a
+``--replay-cost-model``, which load_model loads and those steps then build.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def load_config(cfg: DraftConfig) -> Detailed:
     check_device(cfg.device)
     if cfg.kind == REPLAY:
         spec = read_replay_spec(Path(cfg.replay_file), cfg.replay_corrupt_rate, cfg.target_dir,
-                                cfg.replay_features)
+                                cfg.replay_features, cfg.replay_cost_model)
     else:
         spec = read_spec(Path(cfg.model), cfg.kind, cfg.target_dir)
     target = f", target {spec.target_dir.name} ({spec.target_num_layers} layers)" if spec.target_dir else ""
@@ -166,7 +167,8 @@ def warmup(drafter: BaseDrafter) -> Detailed:
     while serving. Only a catch-up runs the head's ``fc``: without it, the GEMV kernel's
     one-row variant for ``fc`` was first compiled in a request (docs/benchmarks.md,
     twentieth part)."""
-    model = drafter.model if isinstance(drafter, Drafter) else None
+    inner = drafter.cost if isinstance(drafter, ReplayDrafter) and drafter.cost else drafter
+    model = inner.model if isinstance(inner, Drafter) else None  # (a replay's cost model's)
     feature_dim = drafter.feature_dim if isinstance(drafter, ReplayDrafter) else 0
     started = time.perf_counter()
     tokens = [(7 * i + 3) % drafter.vocab_size for i in range(WARMUP_TOKENS)]
@@ -245,14 +247,20 @@ def build_model(cfg: DraftConfig, spec: DraftSpec, startup: Startup, server: Ser
                 ) -> Built:
     """The steps after bind_port for a draft model (EAGLE-3 head or standalone)."""
     model = startup.step("load_model", load_model, cfg, spec)
+    drafter = startup.step("warmup", built_and_warm, model_steps(cfg, model, startup))
+    startup.step("start_server", start_server, server, cfg, spec, drafter, startup)
+    return Built(drafter, server)
+
+
+def model_steps(cfg: DraftConfig, model: DraftModel, startup: Startup
+                ) -> Callable[[], Drafter]:
+    """allocate_kv_cache, init_attention_backend and capture_cuda_graphs for a loaded model;
+    what then builds its drafter."""
     cache, pool = startup.step("allocate_kv_cache", allocate_kv_cache, cfg, model)
     backend: AttentionBackend = startup.step("init_attention_backend", init_attention_backend, cfg, model)
     search = startup.step("capture_cuda_graphs", capture_cuda_graphs, cfg, model, cache, pool, backend)
     limits = drafter_limits(cfg)
-    drafter = startup.step("warmup", built_and_warm,
-                           lambda: Drafter(model, cache, pool, backend, limits, search))
-    startup.step("start_server", start_server, server, cfg, spec, drafter, startup)
-    return Built(drafter, server)
+    return lambda: Drafter(model, cache, pool, backend, limits, search)
 
 
 def drafter_limits(cfg: DraftConfig) -> DrafterLimits:
@@ -278,15 +286,28 @@ def no_op(why: str) -> Detailed:
     return Detailed(None, f"no-op: {why}")
 
 
+def load_records_and_model(cfg: DraftConfig, spec: DraftSpec) -> Detailed:
+    """The load_model step of a replay draft with a cost model: the records, then the model."""
+    records, model = load_records(spec), load_model(cfg, spec.cost)
+    return Detailed((records.value, model.value), f"{records.detail}; cost model "
+                    f"{spec.cost.kind} {spec.cost.name}: {model.detail}")
+
+
 def build_replay(cfg: DraftConfig, spec: DraftSpec, startup: Startup, server: ServiceServer
                  ) -> Built:
-    """The steps after bind_port for the replay draft: the same names as a model's."""
-    book = startup.step("load_model", load_records, spec)
-    startup.step("allocate_kv_cache", no_op, "the replay draft holds no KV cache")
-    startup.step("init_attention_backend", no_op, "the replay draft runs no attention")
-    startup.step("capture_cuda_graphs", no_op, "the replay draft runs no model")
+    """The steps after bind_port for the replay draft: the same names as a model's (a cost
+    model's steps where it has one)."""
     limits = drafter_limits(cfg)
+    if spec.cost is None:
+        book = startup.step("load_model", load_records, spec)
+        startup.step("allocate_kv_cache", no_op, "the replay draft holds no KV cache")
+        startup.step("init_attention_backend", no_op, "the replay draft runs no attention")
+        startup.step("capture_cuda_graphs", no_op, "the replay draft runs no model")
+        make_cost, feature_dim = lambda: None, spec.feature_dim
+    else:
+        book, model = startup.step("load_model", load_records_and_model, cfg, spec)
+        make_cost, feature_dim = model_steps(cfg, model, startup), 0  # the model takes them
     drafter = startup.step("warmup", built_and_warm, lambda: ReplayDrafter(
-        book, cfg.replay_corrupt_rate, spec.vocab_size, limits, spec.feature_dim))
+        book, cfg.replay_corrupt_rate, spec.vocab_size, limits, feature_dim, make_cost()))
     startup.step("start_server", start_server, server, cfg, spec, drafter, startup)
     return Built(drafter, server)

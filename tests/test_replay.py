@@ -15,9 +15,11 @@ from grpc_health.v1 import health_pb2
 
 from draft_service.__main__ import parse_args
 from draft_service.drafter import DrafterLimits, SeqInput, TreeShape
-from draft_service.replay import ReplayBook, ReplayDrafter, replay_topology
+from draft_service.models import read_spec
+from draft_service.replay import ReplayBook, ReplayDrafter, read_replay_spec, replay_topology
+from draft_service.servicer import draft_info
 from draft_service.startup import STEPS, build
-from splitspec.builtin import BUILTIN_TARGET
+from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
 from splitspec.init_report import InitFailed, Startup, StepState
 from splitspec.model.config import LlamaConfig, read_hf_config
 from splitspec.replay import ReplayRecord, read_records, serve, write_records
@@ -26,6 +28,8 @@ from splitspec.tokenizer import load_tokenizer
 from splitspec.tree import depths, first_child_run, match_length, tree_error
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from tests.stack import Service
+from tests.test_drafter import fake_features, seq_input
+from tests.test_drafter import make_drafter as make_model_drafter
 
 VOCAB = 1000
 SHAPES = [TreeShape(8, 4, 4), TreeShape(4, 1, 4), TreeShape(8, 1, 4), TreeShape(64, 8, 6),
@@ -33,6 +37,7 @@ SHAPES = [TreeShape(8, 4, 4), TreeShape(4, 1, 4), TreeShape(8, 1, 4), TreeShape(
           TreeShape(100, 5, 5)]
 CHAIN = TreeShape(4, 1, 4)
 NO_TREE = TreeShape(0, 0, 0)
+BUILTIN_VOCAB = 2048
 
 
 def make_records(num: int = 3, length: int = 400, seed: int = 0) -> list[ReplayRecord]:
@@ -316,6 +321,116 @@ def test_with_features_each_request_must_carry_an_eagle3_heads_features():
     drafter.close_session(session)
 
 
+def costed_drafter(records: list[ReplayRecord], rate: float = 0.0) -> ReplayDrafter:
+    """A replay drafter over the built-in target's vocabulary that also runs the built-in
+    EAGLE-3 head on every request (--replay-cost-model)."""
+    return ReplayDrafter(ReplayBook(records), rate, BUILTIN_VOCAB, DrafterLimits(8, 128, 64),
+                         cost=make_model_drafter(BUILTIN_EAGLE3))
+
+
+def builtin_records(num: int = 2, length: int = 60) -> list[ReplayRecord]:
+    rng = random.Random(1)
+    return [ReplayRecord([rng.randrange(BUILTIN_VOCAB) for _ in range(8)],
+                         [rng.randrange(BUILTIN_VOCAB) for _ in range(length)])
+            for _ in range(num)]
+
+
+def test_a_cost_model_runs_every_request_and_leaves_the_trees_the_replays():
+    """--replay-cost-model: the head catches up on the same tokens and drafts a tree of the
+    shape asked each time (its trees thrown away); the trees sent are those the replay
+    draws without it; releasing and closing free the head's sequences too."""
+    records = builtin_records()
+    drafter = costed_drafter(records)
+    head = drafter.cost.model
+    plain = ReplayDrafter(ReplayBook(records), 0.0, BUILTIN_VOCAB, DrafterLimits(8, 128, 64))
+    tokens = records[0].full[:40]
+    features = fake_features(head, len(tokens))
+    session, plain_session = drafter.open_session(), plain.open_session()
+    for start, end, shape in ((0, 20, TreeShape(8, 4, 4)), (20, 23, CHAIN), (23, 40, NO_TREE)):
+        sent = seq_input(head, 5, start, tokens[:end], shape, features)
+        (got,) = drafter.draft(session, [sent])
+        (want,) = plain.draft(plain_session, [SeqInput(5, start, tokens[start:end], shape)])
+        assert not got.error, got.error
+        assert got.tree == want.tree
+    assert drafter.cost.num_trees == 2 and drafter.cost.num_held == 1
+    assert session.cost.seqs[5].num_tokens == 40  # the head caught up on every token
+    drafter.draft(session, [], release_ids=[5])
+    assert drafter.num_held == 0 and drafter.cost.num_held == 0
+    drafter.draft(session, [seq_input(head, 6, 0, tokens[:10], CHAIN, features)])
+    drafter.close_session(session)
+    assert drafter.num_held == 0 and drafter.cost.num_held == 0
+
+
+def test_a_sequence_the_cost_model_cannot_serve_fails_in_both():
+    """A request without the head's features: the head refuses the sequence, so the replay
+    drops it too and says why; the target then resends it from 0, which both take."""
+    records = builtin_records()
+    drafter = costed_drafter(records)
+    tokens = records[0].full[:30]
+    session = drafter.open_session()
+    (bad,) = drafter.draft(session, [SeqInput(1, 0, tokens, CHAIN)])
+    assert bad.error.startswith("cost model: ") and "hidden_states" in bad.error, bad.error
+    assert drafter.num_held == 0 and not bad.tree.num_nodes
+    head = drafter.cost.model
+    (good,) = drafter.draft(session, [seq_input(head, 1, 0, tokens, CHAIN,
+                                                fake_features(head, len(tokens)))])
+    assert not good.error and good.tree.num_nodes == CHAIN.num_draft_tokens
+    drafter.close_session(session)
+
+
+def test_a_cost_model_is_loaded_and_built_by_the_replays_start_up_steps(tmp_path):
+    """The steps a model's draft runs, under the replay's names; DraftInfo asks for the
+    head's features (its layers) and names the records and the cost model."""
+    records = tmp_path / "records.jsonl"
+    write_records(records, builtin_records())
+    cfg = parse_args(["--kind", "replay", "--replay-file", str(records), "--port", "0",
+                      "--target-model", str(BUILTIN_TARGET),
+                      "--replay-cost-model", str(BUILTIN_EAGLE3)])
+    startup = Startup("draft", STEPS)
+    built = build(cfg, startup)
+    try:
+        details = {s.name: s.detail for s in startup.report.steps}
+        assert "cost model eagle3 eagle3: 1.7M parameters" in details["load_model"]
+        assert "pages of 16" in details["allocate_kv_cache"]
+        assert details["warmup"].startswith("tree of 8 nodes, chain of 4")
+        assert built.drafter.cost.num_trees >= 2  # the warmup ran the head too
+        spec = read_replay_spec(records, 0.0, BUILTIN_TARGET, cost_model=BUILTIN_EAGLE3)
+        head = read_spec(BUILTIN_EAGLE3, "auto", BUILTIN_TARGET)
+        info = draft_info(spec, 1024)
+        assert info.model_name == "replay(records.jsonl, corrupt 0.00, cost eagle3)"
+        assert info.needs_hidden_states and info.kind == "replay"
+        assert info.target_hidden_size == head.target_hidden_size
+        assert tuple(info.aux_layer_inputs) == head.aux_layer_inputs
+    finally:
+        built.server.stop(0)
+
+
+def test_bad_cost_model_flags_are_refused(tmp_path):
+    records = tmp_path / "records.jsonl"
+    write_records(records, builtin_records())
+    args = ["--kind", "replay", "--replay-file", str(records), "--target-model",
+            str(BUILTIN_TARGET)]
+    with pytest.raises(FileNotFoundError, match="nowhere is not a folder"):
+        parse_args(args + ["--replay-cost-model", str(tmp_path / "nowhere")]).check()
+    with pytest.raises(ValueError, match="--replay-cost-model is only read by --kind replay"):
+        parse_args(["--replay-cost-model", str(BUILTIN_EAGLE3)]).check()
+    # the model's --quantize is allowed with a cost model (its weights), not without
+    parse_args(args + ["--replay-cost-model", str(BUILTIN_EAGLE3), "--quantize", "fp8"]).check()
+
+
+def test_a_cost_model_of_another_vocabulary_is_refused(tmp_path):
+    records = tmp_path / "records.jsonl"
+    write_records(records, builtin_records())
+    cfg = parse_args(["--kind", "replay", "--replay-file", str(records), "--target-model",
+                      str(BUILTIN_TARGET), "--replay-cost-model", str(BUILTIN_EAGLE3)])
+    other = tmp_path / "target"
+    other.mkdir()
+    config = json.loads((BUILTIN_TARGET / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "vocab_size": 4096}))
+    with pytest.raises(ValueError, match="reads a vocabulary of 2048 tokens, the target 4096"):
+        read_replay_spec(records, 0.0, other, cost_model=cfg.replay_cost_model)
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("", "holds no records"),
     ('{"prompt": [1, 2], "tokens": [3]}\nnot json\n', "line 2: not JSON"),
@@ -378,11 +493,13 @@ def test_replayed_generation_is_exact_at_the_chosen_acceptance(recorded):
     # "0 features": --replay-features, so the target sends an EAGLE-3 head's features, which
     # the draft checks (a request without them, or of the wrong size, fails its trees); through
     # shared memory, and with "on the stream" (the target's --feature-memory-mb 0) in requests
-    labels = ("0", "1", "0 features", "0 features on the stream")
+    # "0 features cost": the built-in head as --replay-cost-model, which asks for them itself
+    labels = ("0", "1", "0 features", "0 features on the stream", "0 features cost")
     drafts = {label: Service("draft_service", [
         "--kind", "replay", "--replay-file", str(path), "--replay-corrupt-rate", label.split()[0],
-        "--target-model", str(BUILTIN_TARGET), *(["--replay-features"] if "features" in label
-                                                 else [])], logs)
+        "--target-model", str(BUILTIN_TARGET),
+        *(["--replay-cost-model", str(BUILTIN_EAGLE3)] if label.endswith("cost") else
+          ["--replay-features"] if "features" in label else [])], logs)
         for label in labels}
     services = list(drafts.values())
     try:
@@ -405,7 +522,8 @@ def test_replayed_generation_is_exact_at_the_chosen_acceptance(recorded):
             if "features" in rate:
                 how = "on the stream" if rate.endswith("stream") else "through shared memory"
                 assert f"sent {how}" in link, (rate, link)
-            features = ", features" if "features" in rate else ""
+            features = (", cost eagle3" if rate.endswith("cost") else
+                        ", features" if "features" in rate else "")
             assert info.draft_model_name == (f"replay(records.jsonl, corrupt "
                                              f"{float(rate.split()[0]):.2f}{features})")
             before = draft_status(drafts[rate].address)
