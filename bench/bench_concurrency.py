@@ -145,6 +145,7 @@ REPLAY = "replay"
 # tokens at every depth (at least the deepest shape's depth).
 REPLAY_SPARE = 8
 assert max(steps for _, _, steps in SHAPES.values()) <= REPLAY_SPARE
+HEAD_DRAFT_VOCAB = 32000  # a Llama-3.1-8B EAGLE-3 head's (--replay-cost-head)
 DEFAULT_CORRUPT_RATE = 0.18  # 2.50 accepted per verify step at depth 4: the trained pair's
 SERVING_TIMEOUT_S = 300
 
@@ -879,6 +880,30 @@ def build_random_8b(work: Path) -> Path:
     return folder
 
 
+def random_head(target_model: Path, work: Path) -> Path:
+    """An EAGLE-3 head of the target's shape with RANDOM bf16 weights and a draft vocabulary
+    of HEAD_DRAFT_VOCAB (a Llama-3.1-8B head's), written under work without embed_tokens
+    (the draft reads the target's): --replay-cost-head's model, timed, never trusted."""
+    import numpy as np
+    from safetensors.torch import save_file
+
+    from splitspec.builtin import build
+    from splitspec.training.files import write_json
+
+    target = json.loads((target_model / "config.json").read_text(encoding="utf-8"))
+    vocab = min(HEAD_DRAFT_VOCAB, target["vocab_size"])
+    config = build.eagle3_config(target, vocab)
+    tensors = build.eagle3_tensors(config, seed=0, embedding=False)
+    tensors["d2t"], tensors["t2d"] = build.draft_maps(np.arange(vocab), target["vocab_size"])
+    folder = work / "eagle3-random"
+    folder.mkdir()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    write_json(folder / "config.json", config)
+    print(f"{folder}: an EAGLE-3 head of {target_model.name}'s shape, RANDOM bf16 weights, "
+          f"draft vocabulary {vocab}", file=sys.stderr, flush=True)
+    return folder
+
+
 def record_replay(target_model: Path, prompts: list[list[int]], args: argparse.Namespace,
                   service_args: list[str], path: Path) -> None:
     """Start the target alone on target_model, record its greedy continuations of prompts
@@ -913,6 +938,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--draft-kind replay: the draft also takes an EAGLE-3 head's "
                              "features with every request (draft_service --replay-features), "
                              "so the exchange carries what a head of the target's shape gets")
+    parser.add_argument("--replay-cost-head", action="store_true",
+                        help="--draft-kind replay: the draft also runs an EAGLE-3 head of the "
+                             "target's shape with RANDOM bf16 weights on every request "
+                             "(draft_service --replay-cost-model; written to a temporary "
+                             "folder), so the draft's time is in the figures, not only the "
+                             "target's side; it asks for the head's features")
+    parser.add_argument("--draft-flag", action="append", default=[],
+                        help="with --start: one more flag for the draft (repeatable; e.g. "
+                             "--draft-flag=--quantize --draft-flag=fp8); recorded")
     parser.add_argument("--feature-memory-mb", type=int,
                         help="with --start: the target's --feature-memory-mb (default: the "
                              "target's; 0 sends a head's features on the draft stream)")
@@ -1036,16 +1070,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--random-8b and --target-model both name the target: pass one")
     if not args.start and (replay or args.random_8b or args.target_model or args.max_context
                            or args.feature_memory_mb is not None or args.target_flag
-                           or args.draft_down):
+                           or args.draft_flag or args.draft_down):
         parser.error("--draft-kind replay, --random-8b, --target-model, --max-context, "
-                     "--feature-memory-mb, --target-flag and --draft-down start services: "
+                     "--feature-memory-mb, --target-flag, --draft-flag and --draft-down start "
+                     "services: "
                      "they need --start "
                      "(against a running stack the report takes the draft's name from the "
                      "target)")
     if ("variant" in args.modes) != (args.variant is not None):
         parser.error("the mode variant and --variant go together: --variant gives its policy")
-    if args.replay_features and not replay:
-        parser.error("--replay-features is for --draft-kind replay")
+    if (args.replay_features or args.replay_cost_head) and not replay:
+        flag = "--replay-features" if args.replay_features else "--replay-cost-head"
+        parser.error(f"{flag} is for --draft-kind replay")
     if not 0 <= args.replay_corrupt_rate <= 1:  # NaN fails too
         parser.error(f"--replay-corrupt-rate must be in [0, 1], got {args.replay_corrupt_rate}")
     if args.max_context < 0:
@@ -1068,6 +1104,8 @@ def main(argv: list[str] | None = None) -> int:
                      "random_weights": args.random_8b, "max_context": args.max_context or None,
                      "replay_corrupt_rate": args.replay_corrupt_rate if replay else None,
                      "replay_features": args.replay_features and replay,
+                     "replay_cost_head": args.replay_cost_head and replay,
+                     "draft_flags": args.draft_flag,
                      "feature_memory_mb": args.feature_memory_mb,
                      "target_flags": args.target_flag, "variant": args.variant,
                      "draft_down": args.draft_down},
@@ -1102,12 +1140,15 @@ def main(argv: list[str] | None = None) -> int:
                               ["--max-running", str(max_running), *context], records)
                 draft_args = ["--kind", REPLAY, "--replay-file", str(records),
                               "--replay-corrupt-rate", str(args.replay_corrupt_rate),
-                              *(["--replay-features"] if args.replay_features else [])]
+                              *(["--replay-features"] if args.replay_features else []),
+                              *(["--replay-cost-model", str(random_head(target_model, work))]
+                                if args.replay_cost_head else [])]
                 draft_port = free_port()
             procs, args.target = start_stack(args.draft_kind, args.models, args.device,
                                              args.dtype, max_running=max_running,
                                              target_model=target_model, draft_args=draft_args,
                                              draft_port=draft_port, extra_args=context,
+                                             draft_extra=args.draft_flag,
                                              target_args=["--graph-tree-sizes",
                                                           graph_tree_sizes(args.shape),
                                                           *memory, *args.target_flag])

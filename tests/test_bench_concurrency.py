@@ -12,12 +12,15 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 import bench_concurrency as bc  # bench/ is a script folder, not a package
 
+from draft_service.models import EAGLE3, load_draft_model, read_spec, read_target_embedding
 from gateway.policy import AdaptivePolicy, adaptive_shapes
+from splitspec.builtin import BUILTIN_TARGET
 from splitspec.v1 import common_pb2, target_pb2
 from target_service.engine import shape_for
 
@@ -282,6 +285,8 @@ def test_expected_replay_acceptance_follows_the_main_path():
     (["--draft-kind", "replay"], "need --start"),
     (["--target-flag=--early-exchange"], "need --start"),
     (["--draft-down"], "need --start"),
+    (["--draft-flag=--quantize"], "need --start"),
+    (["--replay-cost-head"], "--replay-cost-head is for --draft-kind replay"),
     (["--modes", "OFF,ON,variant"], "the mode variant and --variant go together"),
     (["--variant", '{"probe_share": 0.01}'], "the mode variant and --variant go together"),
     (["--start", "--draft-kind", "replay", "--replay-corrupt-rate", "1.5"],
@@ -305,13 +310,14 @@ def test_a_max_context_too_small_for_the_prompts_is_refused_before_anything_star
 def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     """--start --draft-kind replay records the built-in target's continuations, starts the
     replay draft on them and sweeps; at corrupt rate 0 ON accepts the whole main path. With
-    --replay-features every request carries an EAGLE-3 head's features, which the draft
-    checks: without them, or of the wrong size, no tree would be drafted."""
+    --replay-cost-head the draft also runs a random EAGLE-3 head of the target's shape on
+    every request, which asks for the target's features: without them, or of the wrong
+    size, no tree would be drafted."""
     out, table, trace = tmp_path / "replay.json", tmp_path / "replay.md", tmp_path / "steps.jsonl"
     trace.write_text("a line an earlier sweep left\n")
     run = subprocess.run(
         [sys.executable, "bench/bench_concurrency.py", "--start", "--draft-kind", "replay",
-         "--replay-corrupt-rate", "0", "--replay-features", "--prompts", "fixed",
+         "--replay-corrupt-rate", "0", "--replay-cost-head", "--prompts", "fixed",
          "--num-prompts", "4",
          "--concurrency", "1,2", "--repeats", "1", "--max-new-tokens", "8", "--max-context",
          "64", "--modes", "OFF,ON,adaptive", "--new-tokens-spread", "0.5", "--min-run-s",
@@ -323,8 +329,8 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     report = json.loads(out.read_text())
     settings = report["settings"]
     assert report["complete"] and settings["modes"] == ["OFF", "ON", "adaptive"]
-    name = "replay(records.jsonl, corrupt 0.00, features)"
-    assert settings["draft"] == settings["draft_model"] == name and settings["replay_features"]
+    name = "replay(records.jsonl, corrupt 0.00, cost eagle3-random)"
+    assert settings["draft"] == settings["draft_model"] == name and settings["replay_cost_head"]
     steps = {step["name"]: step for step in report["target_init"]["steps"]}
     assert steps["capture_cuda_graphs"]["detail"] == "no-op on cpu"  # the start-up, as it went
     assert steps["connect_draft"]["state"] == "STEP_STATE_OK"
@@ -387,6 +393,20 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     assert "interleaved (each round's order a row of a balanced design" in header
     assert settings["order"] == "balanced"
     assert f"{depth:.2f} expected at corrupt 0.00; replay misses in timed runs: 0 of" in header
+
+
+def test_the_cost_head_is_a_random_eagle3_head_of_the_targets_shape(tmp_path):
+    """--replay-cost-head's model: the target's shapes, a draft vocabulary of at most
+    32000, no embedding of its own (the draft loads the target's)."""
+    folder = bc.random_head(BUILTIN_TARGET, tmp_path)
+    spec = read_spec(folder, "auto", BUILTIN_TARGET)
+    target = json.loads((BUILTIN_TARGET / "config.json").read_text())
+    assert spec.kind == EAGLE3 and spec.target_hidden_size == target["hidden_size"]
+    model = load_draft_model(spec, torch.float32, "cpu")
+    assert model.draft_vocab_size == min(32000, target["vocab_size"]) == 2048
+    embedding = model.module.embed_tokens.weight
+    assert embedding.shape == (target["vocab_size"], target["hidden_size"])
+    assert torch.equal(embedding, read_target_embedding(BUILTIN_TARGET).float())
 
 
 def test_runs_sized_by_time_take_whole_waves_and_never_fewer_prompts():

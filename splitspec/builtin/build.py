@@ -166,16 +166,19 @@ def eagle3_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def eagle3_tensors(
-    config: dict[str, Any], seed: int, embed: torch.Tensor | None = None
+    config: dict[str, Any], seed: int, embed: torch.Tensor | None = None, embedding: bool = True
 ) -> dict[str, torch.Tensor]:
     """Return the head's float tensors in bfloat16: normal(0, 0.05) matrices, ones for norms.
 
     ``embed`` (the target's embedding) is used for ``embed_tokens.weight`` when
-    its shape fits; otherwise that tensor is drawn at random too.
+    its shape fits; otherwise that tensor is drawn at random too. Without
+    ``embedding`` there is none (a draft loading the head reads the target's).
     """
     gen = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, shape in eagle3_shapes(config).items():
+        if name == "embed_tokens.weight" and not embedding:
+            continue
         if len(shape) == 1:
             value = torch.ones(shape)
         elif name == "embed_tokens.weight" and embed is not None and embed.shape == shape:
