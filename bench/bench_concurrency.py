@@ -1079,6 +1079,9 @@ def main(argv: list[str] | None = None) -> int:
                      "target)")
     if ("variant" in args.modes) != (args.variant is not None):
         parser.error("the mode variant and --variant go together: --variant gives its policy")
+    if args.replay_features and args.replay_cost_head:
+        parser.error("--replay-features and --replay-cost-head: the head asks for its features "
+                     "itself (pass one)")
     if (args.replay_features or args.replay_cost_head) and not replay:
         flag = "--replay-features" if args.replay_features else "--replay-cost-head"
         parser.error(f"{flag} is for --draft-kind replay")

@@ -71,8 +71,8 @@ class DraftConfig:
                                             "shape asked) and its trees thrown away, so the "
                                             "draft's time is that model's while the trees stay "
                                             "the replay's; an EAGLE-3 head has the target send "
-                                            "its features (--replay-features then adds "
-                                            "nothing); --quantize applies to it")
+                                            "it its features (so not with --replay-features); "
+                                            "--quantize applies to it")
     graph_trees: str = option("4x4", "tree shapes (TOPKxDEPTH, comma-separated) whose drafting is "
                               "captured as CUDA graphs, per batch-size bucket up to --max-running "
                               "(CUDA with flashinfer); other shapes draft eagerly; '' = none")
@@ -157,6 +157,9 @@ class DraftConfig:
         if self.replay_cost_model is not None and not Path(self.replay_cost_model).is_dir():
             raise FileNotFoundError(f"--replay-cost-model {self.replay_cost_model} is not a "
                                     "folder")
+        if self.replay_cost_model is not None and self.replay_features:
+            raise ValueError("--replay-features and --replay-cost-model: an EAGLE-3 head as the "
+                             "cost model asks for its features itself (drop --replay-features)")
         if self.sampled_trees:
             raise ValueError("--sampled-trees does not apply to --kind replay: its trees are "
                              "deterministic (drop --sampled-trees)")

@@ -287,6 +287,8 @@ def test_expected_replay_acceptance_follows_the_main_path():
     (["--draft-down"], "need --start"),
     (["--draft-flag=--quantize"], "need --start"),
     (["--replay-cost-head"], "--replay-cost-head is for --draft-kind replay"),
+    (["--start", "--draft-kind", "replay", "--replay-cost-head", "--replay-features"],
+     "the head asks for its features itself"),
     (["--modes", "OFF,ON,variant"], "the mode variant and --variant go together"),
     (["--variant", '{"probe_share": 0.01}'], "the mode variant and --variant go together"),
     (["--start", "--draft-kind", "replay", "--replay-corrupt-rate", "1.5"],

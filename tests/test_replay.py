@@ -414,6 +414,9 @@ def test_bad_cost_model_flags_are_refused(tmp_path):
         parse_args(args + ["--replay-cost-model", str(tmp_path / "nowhere")]).check()
     with pytest.raises(ValueError, match="--replay-cost-model is only read by --kind replay"):
         parse_args(["--replay-cost-model", str(BUILTIN_EAGLE3)]).check()
+    with pytest.raises(ValueError, match="asks for its features itself"):
+        parse_args(args + ["--replay-cost-model", str(BUILTIN_EAGLE3),
+                           "--replay-features"]).check()
     # the model's --quantize is allowed with a cost model (its weights), not without
     parse_args(args + ["--replay-cost-model", str(BUILTIN_EAGLE3), "--quantize", "fp8"]).check()
 
