@@ -884,23 +884,14 @@ def random_head(target_model: Path, work: Path) -> Path:
     """An EAGLE-3 head of the target's shape with RANDOM bf16 weights and a draft vocabulary
     of HEAD_DRAFT_VOCAB (a Llama-3.1-8B head's), written under work without embed_tokens
     (the draft reads the target's): --replay-cost-head's model, timed, never trusted."""
-    import numpy as np
-    from safetensors.torch import save_file
-
     from splitspec.builtin import build
-    from splitspec.training.files import write_json
 
-    target = json.loads((target_model / "config.json").read_text(encoding="utf-8"))
-    vocab = min(HEAD_DRAFT_VOCAB, target["vocab_size"])
-    config = build.eagle3_config(target, vocab)
-    tensors = build.eagle3_tensors(config, seed=0, embedding=False)
-    tensors["d2t"], tensors["t2d"] = build.draft_maps(np.arange(vocab), target["vocab_size"])
-    folder = work / "eagle3-random"
-    folder.mkdir()
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    write_json(folder / "config.json", config)
+    vocab = json.loads((target_model / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    folder = build.write_eagle3_head(work / "eagle3-random", target_model,
+                                     draft_vocab_size=min(HEAD_DRAFT_VOCAB, vocab),
+                                     embedding=False)
     print(f"{folder}: an EAGLE-3 head of {target_model.name}'s shape, RANDOM bf16 weights, "
-          f"draft vocabulary {vocab}", file=sys.stderr, flush=True)
+          f"draft vocabulary {min(HEAD_DRAFT_VOCAB, vocab)}", file=sys.stderr, flush=True)
     return folder
 
 

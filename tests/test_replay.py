@@ -424,14 +424,12 @@ def test_bad_cost_model_flags_are_refused(tmp_path):
 def test_a_cost_model_of_another_vocabulary_is_refused(tmp_path):
     records = tmp_path / "records.jsonl"
     write_records(records, builtin_records())
-    cfg = parse_args(["--kind", "replay", "--replay-file", str(records), "--target-model",
-                      str(BUILTIN_TARGET), "--replay-cost-model", str(BUILTIN_EAGLE3)])
     other = tmp_path / "target"
     other.mkdir()
     config = json.loads((BUILTIN_TARGET / "config.json").read_text())
     (other / "config.json").write_text(json.dumps({**config, "vocab_size": 4096}))
     with pytest.raises(ValueError, match="reads a vocabulary of 2048 tokens, the target 4096"):
-        read_replay_spec(records, 0.0, other, cost_model=cfg.replay_cost_model)
+        read_replay_spec(records, 0.0, other, cost_model=BUILTIN_EAGLE3)
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -196,6 +196,7 @@ def write_eagle3_head(
     seed: int = DEFAULT_SEED + EAGLE3_SEED_OFFSET,
     draft_vocab_size: int = EAGLE3_DRAFT_VOCAB_SIZE,
     config_overrides: dict[str, Any] | None = None,
+    embedding: bool = True,
 ) -> Path:
     """Save an EAGLE-3 head (config.json + model.safetensors) for the target in ``target_dir``.
 
@@ -203,7 +204,9 @@ def write_eagle3_head(
     ``token_counts`` (without counts: ids 0..draft_vocab_size-1). The
     embedding is a copy of the target's. ``config_overrides`` change the
     head's config (e.g. ``hidden_size``, ``target_hidden_size``,
-    ``eagle_config``) and so the tensor shapes. Returns ``out_dir``.
+    ``eagle_config``) and so the tensor shapes. Without ``embedding`` the head
+    has no ``embed_tokens`` (a draft loading it reads the target's; the
+    target's weights are not read here). Returns ``out_dir``.
     """
     target = json.loads((target_dir / "config.json").read_text(encoding="utf-8"))
     config = eagle3_config(target, draft_vocab_size, config_overrides)
@@ -211,8 +214,9 @@ def write_eagle3_head(
     counts = np.zeros(vocab, dtype=np.int64) if token_counts is None else token_counts
     if len(counts) != vocab:
         raise ValueError(f"token_counts has {len(counts)} entries, vocab_size is {vocab}")
-    embed = load_file(target_dir / "model.safetensors").get("model.embed_tokens.weight")
-    tensors = eagle3_tensors(config, seed, embed)
+    embed = (load_file(target_dir / "model.safetensors").get("model.embed_tokens.weight")
+             if embedding else None)
+    tensors = eagle3_tensors(config, seed, embed, embedding)
     tensors["d2t"], tensors["t2d"] = draft_maps(
         choose_draft_vocab(counts, config["draft_vocab_size"]), vocab
     )
