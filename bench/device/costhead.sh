@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# On the GPU machine, from the repository root, ".whl" and ".out" carried (setup.sh):
+#     bash bench/device/costhead.sh [QUANTS]        # QUANTS: "bf16 fp8" (default), "bf16" or "fp8"
+# The 8B shape at 1 and 2 streams, OFF against ON, with the replay draft at the trained
+# pair's acceptance (corrupt 0.18) carrying an EAGLE-3 head of the target's shape as its
+# cost model (bench_concurrency.py --replay-cost-head; docs/benchmarks.md, forty-eighth
+# part): the speculative step with a real draft's time in it, which the replay's free trees
+# left out of every 8B ratio before session 63. One run for each of QUANTS: the head in
+# bfloat16, then with its projections in fp8 (--quantize fp8). Each run's log and JSON in
+# $OUT (conc_8b_costhead_<quant>.{log,json}); the kernel caches saved.
+set -uo pipefail
+source bench/device/setup.sh
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+for quant in ${1:-bf16 fp8}; do
+    extra=()
+    if [ "$quant" = fp8 ]; then extra=(--draft-flag=--quantize --draft-flag=fp8); fi
+    (cd bench && python3 -u bench_concurrency.py --start --device cuda --dtype bfloat16 \
+        --random-8b --draft-kind replay --replay-corrupt-rate 0.18 --replay-cost-head \
+        "${extra[@]}" --prompts heldout --max-new-tokens 48 --max-context 256 \
+        --concurrency 1,2 --modes OFF,ON --repeats 3 --min-run-s 4 --machine "one $gpu" \
+        --feature-memory-mb 256 --new-tokens-spread 0.5 \
+        --out-json "$OUT/conc_8b_costhead_$quant.json") > "$OUT/conc_8b_costhead_$quant.log" 2>&1
+    tail -8 "$OUT/conc_8b_costhead_$quant.log"
+done
+save_kernel_cache
