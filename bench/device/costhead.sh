@@ -12,8 +12,11 @@ set -uo pipefail
 source bench/device/setup.sh
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 for quant in ${1:-bf16 fp8}; do
-    extra=()
-    if [ "$quant" = fp8 ]; then extra=(--draft-flag=--quantize --draft-flag=fp8); fi
+    case "$quant" in
+        bf16) extra=() ;;
+        fp8) extra=(--draft-flag=--quantize --draft-flag=fp8) ;;
+        *) echo "costhead.sh: unknown quant '$quant' (bf16 or fp8)"; exit 2 ;;
+    esac
     (cd bench && python3 -u bench_concurrency.py --start --device cuda --dtype bfloat16 \
         --random-8b --draft-kind replay --replay-corrupt-rate 0.18 --replay-cost-head \
         "${extra[@]}" --prompts heldout --max-new-tokens 48 --max-context 256 \
