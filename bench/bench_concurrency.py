@@ -886,12 +886,12 @@ def random_head(target_model: Path, work: Path) -> Path:
     (the draft reads the target's): --replay-cost-head's model, timed, never trusted."""
     from splitspec.builtin import build
 
-    vocab = json.loads((target_model / "config.json").read_text(encoding="utf-8"))["vocab_size"]
+    target = json.loads((target_model / "config.json").read_text(encoding="utf-8"))
+    vocab = min(HEAD_DRAFT_VOCAB, target["vocab_size"])
     folder = build.write_eagle3_head(work / "eagle3-random", target_model,
-                                     draft_vocab_size=min(HEAD_DRAFT_VOCAB, vocab),
-                                     embedding=False)
+                                     draft_vocab_size=vocab, embedding=False)
     print(f"{folder}: an EAGLE-3 head of {target_model.name}'s shape, RANDOM bf16 weights, "
-          f"draft vocabulary {min(HEAD_DRAFT_VOCAB, vocab)}", file=sys.stderr, flush=True)
+          f"draft vocabulary {vocab}", file=sys.stderr, flush=True)
     return folder
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
@@ -401,6 +402,8 @@ def test_the_cost_head_is_a_random_eagle3_head_of_the_targets_shape(tmp_path):
     """--replay-cost-head's model: the target's shapes, a draft vocabulary of at most
     32000, no embedding of its own (the draft loads the target's)."""
     folder = bc.random_head(BUILTIN_TARGET, tmp_path)
+    with safe_open(folder / "model.safetensors", "pt") as saved:
+        assert not any("embed_tokens" in key for key in saved.keys())  # noqa: SIM118 (not a dict)
     spec = read_spec(folder, "auto", BUILTIN_TARGET)
     target = json.loads((BUILTIN_TARGET / "config.json").read_text())
     assert spec.kind == EAGLE3 and spec.target_hidden_size == target["hidden_size"]
