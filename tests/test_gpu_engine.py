@@ -333,7 +333,7 @@ def test_read_features_writes_into_a_page_locked_feature_memory():
     rows = runner.read_features(slots, ring.array[start:start + size])
     expected = cache.features.cpu()[slots]
     assert torch.equal(rows, expected)
-    seen = torch.frombuffer(view.read(start, size).tobytes(), dtype=torch.bfloat16)
+    seen = torch.frombuffer(bytearray(view.read(start, size)), dtype=torch.bfloat16)
     assert torch.equal(seen.view(expected.shape), expected)
     ring.close()
     assert not ring.pinned and torch.equal(rows, expected)
