@@ -11,6 +11,7 @@
 set -uo pipefail
 source bench/device/setup.sh
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
+failed=0
 for quant in ${1:-bf16 fp8}; do
     case "$quant" in
         bf16) extra=() ;;
@@ -23,6 +24,10 @@ for quant in ${1:-bf16 fp8}; do
         --concurrency 1,2 --modes OFF,ON --repeats 3 --min-run-s 4 --machine "one $gpu" \
         --feature-memory-mb 256 --new-tokens-spread 0.5 \
         --out-json "$OUT/conc_8b_costhead_$quant.json") > "$OUT/conc_8b_costhead_$quant.log" 2>&1
+    status=$?
     tail -8 "$OUT/conc_8b_costhead_$quant.log"
+    echo "$quant: rc $status"
+    if [ "$status" -ne 0 ]; then failed=$status; fi
 done
 save_kernel_cache
+exit "$failed"  # a failed run fails the call, after the other head's run and the caches
