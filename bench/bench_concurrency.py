@@ -733,10 +733,16 @@ def untimed_run(stub: target_pb2_grpc.TargetStub, prompts: list[list[int]], leng
 def settled(policy: AdaptivePolicy, concurrency: int, modes_before: list[int]) -> bool:
     """Whether a policy's untimed run at ``concurrency`` left it settled: no bucket changed
     mode in it (``modes_before``: each bucket's mode when it began), and the bucket of that
-    many sequences has judged a probe of every mode it does not run."""
+    many sequences has judged a probe of every mode it does not run. A probe of its own: a
+    mode the bucket left has ratios from the probes that made it switch, but what a probe of
+    it costs (its catch-up) is known only once it was probed, and until then its first
+    probe comes early (at 64 streams on an H100 with an EAGLE-3 head's cost, the tree left
+    for off in the warm-up came back as a probe 1.5 s into the first timed run and cost that
+    run a fifth; docs/benchmarks.md, fiftieth part)."""
     bucket = policy.buckets[bucket_of(concurrency)]
     return ([b.mode for b in policy.buckets.values()] == modes_before
-            and all(bucket.ratios[m] for m in range(len(policy.modes)) if m != bucket.mode))
+            and all(bucket.ratios[m] and m in bucket.entry
+                    for m in range(len(policy.modes)) if m != bucket.mode))
 
 
 def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],

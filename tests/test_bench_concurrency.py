@@ -465,18 +465,26 @@ def test_run_figures_count_mixed_steps_and_time_the_steady_state_apart():
 def test_a_policy_is_settled_once_a_run_switched_nothing_and_its_bucket_judged_every_mode():
     """bench_concurrency.settled: the policy's untimed runs at the timed size go on until
     one changed no bucket's mode and the concurrency's bucket had judged a probe of each
-    mode it does not run (the tree it starts with, and the chain, against off here)."""
+    mode it does not run (the tree it starts with, and the chain, against off here): a
+    probe of its own, so not the tree just left for off, whose ratio the switch restated."""
     policy = AdaptivePolicy(adaptive_shapes("", common_pb2.DraftShape(
         num_draft_tokens=8, topk=4, num_steps=4)))
     before = [b.mode for b in policy.buckets.values()]
     assert not bc.settled(policy, 4, before)  # nothing judged yet
+    bucket, just_switched = policy.buckets[4], False
     for _ in range(3000):  # off: a token in 5 ms; the tree and the chain 2 in 20 ms
         budget = shape_for(policy.policy, 4, policy.modes[1]).num_draft_tokens
         policy.observe(target_pb2.StepStats(
             batch_size=4, speculated=budget > 0, tree_budget=budget,
             period_s=0.02 if budget else 0.005, total_s=0.02 if budget else 0.005,
             committed_tokens=8 if budget else 4))
-    assert policy.buckets[4].mode == 0
+        if bucket.mode == 0 and 1 not in bucket.entry and bucket.ratios[2]:
+            # off, the chain probed, the tree not probed since it was left: the switch
+            # rated it, but it is not settled
+            assert bucket.ratios[1] and 2 in bucket.entry
+            assert not bc.settled(policy, 4, [b.mode for b in policy.buckets.values()])
+            just_switched = True
+    assert just_switched and bucket.mode == 0 and 1 in bucket.entry
     assert not bc.settled(policy, 4, before)  # bucket 4 switched to off since
     assert bc.settled(policy, 4, [b.mode for b in policy.buckets.values()])
     assert not bc.settled(policy, 64, [b.mode for b in policy.buckets.values()])  # none there
