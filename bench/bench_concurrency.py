@@ -737,8 +737,8 @@ def settled(policy: AdaptivePolicy, concurrency: int, modes_before: list[int]) -
     mode the bucket left has ratios from the probes that made it switch, but what a probe of
     it costs (its catch-up) is known only once it was probed, and until then its first
     probe comes early (at 64 streams on an H100 with an EAGLE-3 head's cost, the tree left
-    for off in the warm-up came back as a probe 1.5 s into the first timed run and cost that
-    run a fifth; docs/benchmarks.md, fiftieth part)."""
+    for off in the warm-up came back as a probe 1.5 s into the first timed run, which ran at
+    0.85 of OFF; docs/benchmarks.md, fiftieth part)."""
     bucket = policy.buckets[bucket_of(concurrency)]
     return ([b.mode for b in policy.buckets.values()] == modes_before
             and all(bucket.ratios[m] and m in bucket.entry
@@ -1015,8 +1015,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--policy-warmup", type=int, default=3,
                         help="with --min-run-s: untimed runs of each policy at the timed runs' "
                              "size, until one in which it settled (no bucket switched, and the "
-                             "concurrency's bucket had judged every other mode), at most this "
-                             "many (1: one run, as every sweep before session 50 ran)")
+                             "concurrency's bucket had judged a probe of its own of each other "
+                             "mode), at most this many (1: one run, as every sweep before "
+                             "session 50 ran)")
     parser.add_argument("--out-md", type=Path, help="write the markdown table here")
     parser.add_argument("--out-json", type=Path, help="write the raw numbers here")
     parser.add_argument("--out-png", type=Path, help="write the plot here (needs matplotlib)")
