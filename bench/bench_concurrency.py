@@ -211,6 +211,20 @@ ORDER_TEXT = {"fixed": "", "rotate": " (the order rotated each round)",
                           "place and after every other mode alike)"}
 
 
+def order_text(settings: dict[str, Any], num_modes: int) -> str:
+    """How a report's rounds were ordered; for the balanced order, whether its rounds made
+    whole cycles of the design's rows (with 3 modes a cycle is 6 rounds: in 2 or 3, adaptive
+    runs right after ON in two, and on an H100 at 32-64 streams a plain run right after ON
+    ran its steps 1.4 % longer, in the median of 24; docs/benchmarks.md, fiftieth part)."""
+    order, repeats = order_of(settings), settings["repeats"]
+    cycle = len(williams_rows(num_modes))
+    if order != "balanced" or repeats % cycle == 0:
+        return ORDER_TEXT[order]
+    return (" (each round's order a row of a balanced design, whose rows give every mode every "
+            f"place and every predecessor alike over {cycle} rounds; these {repeats} are not a "
+            "whole number of such cycles)")
+
+
 def order_of(settings: dict[str, Any]) -> str:
     """The order a report's rounds ran in (reports from before --order said rotate or not)."""
     return settings.get("order") or ("rotate" if settings.get("rotate") else "fixed")
@@ -558,7 +572,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"{'/'.join(map(str, settings['shape']))} (nodes/topk/depth); {settings['prompts']} "
         f"prompts{prompt_len} x {new_tokens_text(settings)} new tokens, greedy; "
         f"{settings['repeats']} runs per mode, interleaved"
-        f"{ORDER_TEXT[order_of(settings)]}, medians, after "
+        f"{order_text(settings, len(modes))}, medians, after "
         f"{settings.get('warmup', 0)} untimed {', '.join(warm[:-1])} and {warm[-1]} run(s) at "
         f"each concurrency" + (f"; timed runs sized to last at least {settings['min_run_s']:g} s "
                                "at the fastest mode's warm-up rate" if settings.get("min_run_s")

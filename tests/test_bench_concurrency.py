@@ -213,7 +213,16 @@ def test_balanced_rounds_put_each_mode_after_each_other_alike(modes):
         assert before_third == {modes[1]: len(modes) - 1}
     report = json.loads(json.dumps(REPORT))
     report["settings"]["order"] = "balanced"
-    assert "interleaved (each round's order a row of a balanced design" in bc.markdown(report)
+    # the header says whether the rounds made whole cycles of the design's rows
+    whole = len(bc.williams_rows(len(bc.modes_of(report))))
+    for repeats, whole_cycles in ((whole, True), (2 * whole, True), (whole + 1, False)):
+        report["settings"]["repeats"] = repeats
+        text = bc.markdown(report)
+        assert "interleaved (each round's order a row of a balanced design" in text
+        assert ("every mode in every place and after every other mode alike)" in text) \
+            == whole_cycles
+        assert (f"alike over {whole} rounds; these {repeats} are not a whole number of such "
+                "cycles)" in text) != whole_cycles
 
 
 def test_a_run_with_the_draft_killed_says_so():
