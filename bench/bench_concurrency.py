@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import json
 import math
 import os
@@ -1051,6 +1052,11 @@ def main(argv: list[str] | None = None) -> int:
     log_policy_decisions()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.out_png and importlib.util.find_spec("matplotlib") is None:
+        # said now, not after the sweep (a 12-round CPU sweep wrote its table, then died
+        # on the plot's import half an hour in)
+        parser.error("--out-png needs matplotlib, which is not installed: "
+                     "pip install -e '.[bench]' (or leave --out-png out)")
     if args.from_json:
         render(json.loads(args.from_json.read_text()), args)
         return 0

@@ -123,6 +123,24 @@ def test_from_json_renders_without_running(tmp_path, capsys):
     assert "| 16 | 32 |" in capsys.readouterr().out
 
 
+def test_out_png_without_matplotlib_is_refused_before_any_run(tmp_path, capsys, monkeypatch):
+    """--out-png needs matplotlib (the bench extra): without it the command stops at once,
+    saying so, rather than after the sweep it asked for (a 12-round CPU sweep wrote its table
+    and then died on the plot's import)."""
+    real = bc.importlib.util.find_spec
+    monkeypatch.setattr(bc.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps(REPORT))
+    with pytest.raises(SystemExit) as stopped:
+        bc.main(["--from-json", str(saved), "--out-md", str(tmp_path / "t.md"),
+                 "--out-png", str(tmp_path / "t.png")])
+    assert stopped.value.code == 2
+    assert "--out-png needs matplotlib, which is not installed: pip install -e '.[bench]'" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "t.md").exists()  # nothing ran
+
+
 def test_pooled_sweeps_take_each_sweeps_better_mode_and_all_their_rounds(tmp_path, capsys):
     # Sweep A: OFF better, adaptive 0.99 and 0.97 of it. Sweep B: ON better (1.10x OFF),
     # adaptive 0.99 of ON in each round. A sweep without adaptive adds nothing.
