@@ -10,6 +10,12 @@ gateway does), runs the policies ``--modes`` names (by default these four) inter
 * chain (only with ``--modes``): the adaptive policy's small budget, a chain of 3 nodes, at
   every batch size (so that ``bench/simulate_policy.py`` can replay each of adaptive's
   budgets from the same sweep);
+* never (only with ``--modes``): requests that may speculate (``SPECULATION_MODE_AUTO``) under
+  a policy with no entry, so the target never speculates: plain decoding as adaptive runs it
+  where its policy is off, without the adaptive policy's work in the client or its probes
+  (so that a gap between adaptive and OFF where adaptive runs off can be placed: on an H100
+  at 32 streams adaptive's off steps ran 2-3 % longer than OFF's, docs/benchmarks.md,
+  fiftieth part); its per-round ratio to OFF in the table;
 * static: ``gateway.policy.static_policy`` with ``--static-threshold``
   (the gateway's ``--spec-disable-batch-threshold``: speculate up to that batch size);
 * adaptive: one ``gateway.policy.AdaptivePolicy`` per concurrency with the gateway's
@@ -134,9 +140,9 @@ from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
 from splitspec.replay import record, write_records
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
-MODES = ("OFF", "ON", "chain", "static", "adaptive", "variant")
+MODES = ("OFF", "ON", "chain", "never", "static", "adaptive", "variant")
 DEFAULT_MODES = ("OFF", "ON", "static", "adaptive")  # and every report's before "chain"
-WARM_MODES = ("OFF", "ON", "chain", "adaptive", "variant")  # the modes with untimed runs
+WARM_MODES = ("OFF", "ON", "chain", "never", "adaptive", "variant")  # the modes with untimed runs
 LEARNING_MODES = ("adaptive", "variant")  # with --min-run-s, untimed runs until settled
 AIM = 0.97  # adaptive within 3 % of the best of OFF and ON
 INTERVAL_LEVEL = 0.9     # of the bootstrap interval around adaptive / best
@@ -158,7 +164,7 @@ def parse_modes(text: str) -> list[str]:
     unknown = sorted(set(modes) - set(MODES))
     if unknown or not {"OFF", "ON"} <= set(modes):
         raise argparse.ArgumentTypeError(
-            f"--modes must name OFF, ON and any of chain, static, adaptive, variant (got "
+            f"--modes must name OFF, ON and any of chain, never, static, adaptive, variant (got "
             f"{text!r})")
     return [mode for mode in MODES if mode in modes]
 
@@ -443,7 +449,9 @@ def summarize(entry: dict[str, Any], modes: list[str] | tuple[str, ...] = DEFAUL
     rates = entry["tokens_per_s"]
     med = {mode: statistics.median(rates[mode]) for mode in modes}
     best, on_off = best_of(rates), per_round(rates, "ON", "OFF")
-    adaptive_best = adaptive_off = aim_met = interval = variant_adaptive = None
+    adaptive_best = adaptive_off = aim_met = interval = variant_adaptive = never_off = None
+    if "never" in modes:
+        never_off = per_round(rates, "never", "OFF")
     if "variant" in modes and "adaptive" in modes:
         variant_adaptive = per_round(rates, "variant", "adaptive")
     if "adaptive" in modes:
@@ -453,7 +461,8 @@ def summarize(entry: dict[str, Any], modes: list[str] | tuple[str, ...] = DEFAUL
         interval = bootstrap_interval(rates)
     return {"concurrency": entry["concurrency"], "median": med, "best": best, "on_off": on_off,
             "adaptive_best": adaptive_best, "adaptive_off": adaptive_off, "aim_met": aim_met,
-            "adaptive_interval": interval, "variant_adaptive": variant_adaptive}
+            "adaptive_interval": interval, "variant_adaptive": variant_adaptive,
+            "never_off": never_off}
 
 
 def _mean_se(values: list[float]) -> tuple[float, float]:
@@ -581,13 +590,15 @@ def markdown(report: dict[str, Any]) -> str:
         + policy_warmup_text(report) + "." + acceptance_line(report),
         "",
     ]
-    names = {"OFF": "OFF", "ON": "ON", "chain": "chain 3", "static": f"static (<={threshold})",
-             "adaptive": "adaptive", "variant": "variant"}
+    names = {"OFF": "OFF", "ON": "ON", "chain": "chain 3", "never": "never (AUTO)",
+             "static": f"static (<={threshold})", "adaptive": "adaptive", "variant": "variant"}
     header = ["concurrency", "prompts", *(f"{names[m]} tok/s" for m in modes), "ON / OFF"]
     if "adaptive" in modes:
         header += ["adaptive / best(OFF, ON)", f"{INTERVAL_LEVEL:.0%} interval"]
     if "variant" in modes and "adaptive" in modes:
         header += ["variant / adaptive"]
+    if "never" in modes:
+        header += ["never / OFF"]
     lines += ["| " + " | ".join(header) + " |", "|" + "---:|" * len(header)]
     summaries = [summarize(entry, modes) for entry in report["results"]]
     for entry, s in zip(report["results"], summaries, strict=True):
@@ -599,6 +610,8 @@ def markdown(report: dict[str, Any]) -> str:
                       f"{interval[0]:.2f}-{interval[1]:.2f}" if interval else "-"]
         if s["variant_adaptive"] is not None:
             cells += [f"{s['variant_adaptive']:.3f}"]
+        if s["never_off"] is not None:
+            cells += [f"{s['never_off']:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     if "adaptive" in modes:
         met = [str(s["concurrency"]) for s in summaries if s["aim_met"]]
@@ -627,10 +640,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     xs = [entry["concurrency"] for entry in results]
     threshold = report["settings"]["static_threshold"]
     labels = {"OFF": "OFF", "ON": "ON (always)", "chain": "chain of 3 (always)",
+              "never": "AUTO under a policy that never speculates",
               "static": f"static (speculate up to {threshold})", "adaptive": "adaptive",
               "variant": "adaptive, variant"}
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    markers = dict(zip(MODES, "osv^DP", strict=True))
+    markers = dict(zip(MODES, "osvx^DP", strict=True))
     for mode in modes_of(report):
         marker = markers[mode]
         runs = [entry["tokens_per_s"][mode] for entry in results]
@@ -782,8 +796,9 @@ def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],
         variant = (AdaptivePolicy(adaptive_shapes("", shape), **args.variant)
                    if args.variant is not None else None)
         runs: dict[str, tuple[int, int, int] | target_pb2.SpecPolicy | AdaptivePolicy | None] = {
-            "OFF": None, "ON": SHAPES[args.shape], "chain": SHAPES["chain3"], "static": static,
-            "adaptive": adaptive, "variant": variant}
+            "OFF": None, "ON": SHAPES[args.shape], "chain": SHAPES["chain3"],
+            "never": target_pb2.SpecPolicy(), "static": static, "adaptive": adaptive,
+            "variant": variant}
         keys = ["tokens_per_s", "steady_tokens_per_s", "wall_s", "accepted_per_verify_step",
                 "speculated_step_share",
                 "mean_decode_batch", "mixed_step_share", "mixed_step_ms", "decode_step_ms",
@@ -981,7 +996,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "sizes the target's KV cache with --max-running")
     parser.add_argument("--modes", type=parse_modes, default=list(DEFAULT_MODES),
                         help="comma-separated modes to run: OFF and ON, and any of chain, "
-                             "static, adaptive, variant (default: OFF, ON, static, adaptive)")
+                             "never, static, adaptive, variant (default: OFF, ON, static, "
+                             "adaptive)")
     parser.add_argument("--variant", type=parse_variant, default=None,
                         help="with the mode variant in --modes: a JSON object of keyword "
                              "arguments for a second AdaptivePolicy, run interleaved with the "

@@ -272,6 +272,23 @@ def test_a_variant_policy_is_keyword_arguments_checked_and_tabled_against_adapti
     assert "untimed OFF, ON, adaptive and variant run(s)" in lines[0]
 
 
+def test_the_never_mode_is_tabled_against_off():
+    """A report with the never mode (AUTO requests, a policy that never speculates) gives its
+    per-round ratio to OFF a column of its own."""
+    assert bc.parse_modes("never,adaptive,ON,OFF") == ["OFF", "ON", "never", "adaptive"]
+    report = json.loads(json.dumps(REPORT))
+    report["settings"]["modes"] = ["OFF", "ON", "never", "adaptive"]
+    for e in report["results"]:
+        e["tokens_per_s"]["never"] = [0.98 * r for r in e["tokens_per_s"]["OFF"]]
+    lines = bc.markdown(report).splitlines()
+    assert lines[2] == ("| concurrency | prompts | OFF tok/s | ON tok/s | never (AUTO) tok/s | "
+                        "adaptive tok/s | ON / OFF | adaptive / best(OFF, ON) | 90% interval | "
+                        "never / OFF |")
+    assert "| 64 | 128 | 200.0 | 150.0 | 196.0 | 190.0 | 0.75x | 0.95 (OFF) | 0.95-0.95 | " \
+           "0.980 |" in lines
+    assert "untimed OFF, ON, never and adaptive run(s)" in lines[0]
+
+
 def test_table_of_a_replay_run_without_static_labels_draft_target_and_acceptance():
     report = json.loads(json.dumps(REPORT))
     report["settings"] |= {"modes": ["OFF", "ON", "adaptive"], "replay_corrupt_rate": 0.3,
@@ -342,7 +359,8 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     replay draft on them and sweeps; at corrupt rate 0 ON accepts the whole main path. With
     --replay-cost-head the draft also runs a random EAGLE-3 head of the target's shape on
     every request, which asks for the target's features: without them, or of the wrong
-    size, no tree would be drafted."""
+    size, no tree would be drafted. The never mode's requests may speculate, under a policy
+    with no entry: the target never does."""
     out, table, trace = tmp_path / "replay.json", tmp_path / "replay.md", tmp_path / "steps.jsonl"
     trace.write_text("a line an earlier sweep left\n")
     run = subprocess.run(
@@ -350,15 +368,16 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
          "--replay-corrupt-rate", "0", "--replay-cost-head", "--prompts", "fixed",
          "--num-prompts", "4",
          "--concurrency", "1,2", "--repeats", "1", "--max-new-tokens", "8", "--max-context",
-         "64", "--modes", "OFF,ON,adaptive", "--new-tokens-spread", "0.5", "--min-run-s",
+         "64", "--modes", "OFF,ON,never,adaptive", "--new-tokens-spread", "0.5", "--min-run-s",
          "0.01", "--out-json",
          str(out), "--out-md", str(table), "--step-trace", str(trace)],
         cwd=REPO, timeout=240, capture_output=True, text=True, check=False)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "recorded 4 continuations of 16 tokens" in run.stderr  # the 4 prompts, 8 + spare
+    assert "speculation policy (max batch, tree size): []" in run.stderr  # never's stream
     report = json.loads(out.read_text())
     settings = report["settings"]
-    assert report["complete"] and settings["modes"] == ["OFF", "ON", "adaptive"]
+    assert report["complete"] and settings["modes"] == ["OFF", "ON", "never", "adaptive"]
     name = "replay(records.jsonl, corrupt 0.00, cost eagle3-random)"
     assert settings["draft"] == settings["draft_model"] == name and settings["replay_cost_head"]
     steps = {step["name"]: step for step in report["target_init"]["steps"]}
@@ -368,13 +387,14 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     depth = settings["shape"][2]
     assert [e["concurrency"] for e in report["results"]] == [1, 2]
     for entry in report["results"]:
-        assert set(entry["tokens_per_s"]) == {"OFF", "ON", "adaptive"}
+        assert set(entry["tokens_per_s"]) == {"OFF", "ON", "never", "adaptive"}
         assert all(len(rates) == 1 and rates[0] > 0 for rates in entry["tokens_per_s"].values())
         (accepted,) = entry["accepted_per_verify_step"]["ON"]
         assert accepted > 0.5 * depth, entry["accepted_per_verify_step"]  # R = 0: ~depth
         assert entry["draft_trees"]["ON"][0] > 0 and entry["replay_misses"]["ON"] == [0]
-        assert entry["draft_trees"]["OFF"] == [0]
+        assert entry["draft_trees"]["OFF"] == entry["draft_trees"]["never"] == [0]
         assert entry["budget_step_shares"]["OFF"] == [{"0": 1.0}]
+        assert entry["budget_step_shares"]["never"] == [{"0": 1.0}]
         assert entry["budget_step_shares"]["ON"] == [{"8": 1.0}]  # (every step speculated)
         assert set(entry["budget_step_shares"]["adaptive"][0]) <= {"0", "3", "8"}
         assert all(rates[0] > 0 for rates in entry["steady_tokens_per_s"].values())
@@ -392,8 +412,8 @@ def test_replay_sweep_runs_end_to_end_at_the_chosen_acceptance(tmp_path):
     # most --policy-warmup 3 runs), then the timed runs
     taken = [e["policy_warmup_runs"]["adaptive"] for e in report["results"]]
     assert all(1 <= n <= 3 for n in taken), taken
-    orders = [[("OFF", -1), ("ON", -1), ("adaptive", -1), *[("adaptive", -1)] * n, ("OFF", 0),
-               ("ON", 0), ("adaptive", 0)] for n in taken]
+    orders = [[("OFF", -1), ("ON", -1), ("never", -1), ("adaptive", -1), *[("adaptive", -1)] * n,
+               ("OFF", 0), ("ON", 0), ("adaptive", 0), ("never", 0)] for n in taken]
     assert [(r["concurrency"], r["mode"], r["run"]) for r in runs] == [
         (c, mode, run) for c, order in zip((1, 2), orders, strict=True) for mode, run in order]
     timed = [r for r in runs if r["run"] == 0 and r["mode"] in ("OFF", "ON")]
