@@ -770,8 +770,7 @@ def settled(policy: AdaptivePolicy, concurrency: int, modes_before: list[int]) -
     0.85 of OFF; docs/benchmarks.md, fiftieth part)."""
     bucket = policy.buckets[bucket_of(concurrency)]
     return ([b.mode for b in policy.buckets.values()] == modes_before
-            and all(bucket.ratios[m] and m in bucket.entry
-                    for m in range(len(policy.modes)) if m != bucket.mode))
+            and all(bucket.probed(m) for m in range(len(policy.modes)) if m != bucket.mode))
 
 
 def sweep(stub: target_pb2_grpc.TargetStub, all_prompts: list[list[int]],

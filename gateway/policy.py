@@ -298,6 +298,12 @@ class _Bucket:
     def clear_streak(self) -> int:
         return max(self.streaks.values(), default=0)
 
+    def probed(self, mode: int) -> bool:
+        """Whether this bucket judged a probe of ``mode`` of its own. The ratios a switch
+        restates for the mode it left do not count: what a probe of that mode costs (the
+        catch-up that begins it, :attr:`entry`) is known only from one."""
+        return bool(self.ratios.get(mode)) and mode in self.entry
+
 
 def describe_mode(shape: common_pb2.DraftShape) -> str:
     return (f"{shape.num_draft_tokens}/{shape.topk}/{shape.num_steps}"

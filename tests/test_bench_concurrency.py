@@ -525,13 +525,13 @@ def test_a_policy_is_settled_once_a_run_switched_nothing_and_its_bucket_judged_e
             batch_size=4, speculated=budget > 0, tree_budget=budget,
             period_s=0.02 if budget else 0.005, total_s=0.02 if budget else 0.005,
             committed_tokens=8 if budget else 4))
-        if bucket.mode == 0 and 1 not in bucket.entry and bucket.ratios[2]:
+        if bucket.mode == 0 and not bucket.probed(1) and bucket.probed(2):
             # off, the chain probed, the tree not probed since it was left: the switch
             # rated it, but it is not settled
-            assert bucket.ratios[1] and 2 in bucket.entry
+            assert bucket.ratios[1] and 1 not in bucket.entry
             assert not bc.settled(policy, 4, [b.mode for b in policy.buckets.values()])
             just_switched = True
-    assert just_switched and bucket.mode == 0 and 1 in bucket.entry
+    assert just_switched and bucket.mode == 0 and bucket.probed(1)
     assert not bc.settled(policy, 4, before)  # bucket 4 switched to off since
     assert bc.settled(policy, 4, [b.mode for b in policy.buckets.values()])
     assert not bc.settled(policy, 64, [b.mode for b in policy.buckets.values()])  # none there
