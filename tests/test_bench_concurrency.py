@@ -251,6 +251,15 @@ def test_a_run_with_the_draft_killed_says_so():
         report)
 
 
+def with_mode(mode: str, factor: float, of: str) -> dict:
+    """REPORT run with OFF, ON, adaptive and ``mode``, whose runs are ``factor`` times ``of``'s."""
+    report = json.loads(json.dumps(REPORT))
+    report["settings"]["modes"] = bc.parse_modes(f"OFF,ON,adaptive,{mode}")
+    for e in report["results"]:
+        e["tokens_per_s"][mode] = [factor * r for r in e["tokens_per_s"][of]]
+    return report
+
+
 def test_a_variant_policy_is_keyword_arguments_checked_and_tabled_against_adaptive():
     """--variant's JSON must be keyword arguments an AdaptivePolicy takes; a report with the
     variant mode gives its per-round ratio to adaptive a column of its own."""
@@ -260,11 +269,7 @@ def test_a_variant_policy_is_keyword_arguments_checked_and_tabled_against_adapti
         with pytest.raises(argparse.ArgumentTypeError, match="--variant"):
             bc.parse_variant(text)
     assert bc.parse_modes("variant,adaptive,ON,OFF") == ["OFF", "ON", "adaptive", "variant"]
-    report = json.loads(json.dumps(REPORT))
-    report["settings"]["modes"] = ["OFF", "ON", "adaptive", "variant"]
-    for e in report["results"]:
-        e["tokens_per_s"]["variant"] = [1.02 * r for r in e["tokens_per_s"]["adaptive"]]
-    lines = bc.markdown(report).splitlines()
+    lines = bc.markdown(with_mode("variant", 1.02, "adaptive")).splitlines()
     assert lines[2].endswith("| variant tok/s | ON / OFF | adaptive / best(OFF, ON) | 90% "
                              "interval | variant / adaptive |")
     assert "| 64 | 128 | 200.0 | 150.0 | 190.0 | 193.8 | 0.75x | 0.95 (OFF) | 0.95-0.95 | 1.020 |" \
@@ -276,11 +281,7 @@ def test_the_never_mode_is_tabled_against_off():
     """A report with the never mode (AUTO requests, a policy that never speculates) gives its
     per-round ratio to OFF a column of its own."""
     assert bc.parse_modes("never,adaptive,ON,OFF") == ["OFF", "ON", "never", "adaptive"]
-    report = json.loads(json.dumps(REPORT))
-    report["settings"]["modes"] = ["OFF", "ON", "never", "adaptive"]
-    for e in report["results"]:
-        e["tokens_per_s"]["never"] = [0.98 * r for r in e["tokens_per_s"]["OFF"]]
-    lines = bc.markdown(report).splitlines()
+    lines = bc.markdown(with_mode("never", 0.98, "OFF")).splitlines()
     assert lines[2] == ("| concurrency | prompts | OFF tok/s | ON tok/s | never (AUTO) tok/s | "
                         "adaptive tok/s | ON / OFF | adaptive / best(OFF, ON) | 90% interval | "
                         "never / OFF |")
