@@ -13,9 +13,11 @@ gateway does), runs the policies ``--modes`` names (by default these four) inter
 * never (only with ``--modes``): requests that may speculate (``SPECULATION_MODE_AUTO``) under
   a policy with no entry, so the target never speculates: plain decoding as adaptive runs it
   where its policy is off, without the adaptive policy's work in the client or its probes
-  (so that a gap between adaptive and OFF where adaptive runs off can be placed: on an H100
-  at 32 streams adaptive's off steps ran 2-3 % longer than OFF's, docs/benchmarks.md,
-  fiftieth part); its per-round ratio to OFF in the table;
+  (so that a gap between adaptive and OFF where adaptive runs off can be placed: on one
+  H100 host at 32 streams adaptive's off steps ran 2-3 % longer than OFF's; on another,
+  never / OFF was 0.999 and 1.008 at 32 and 64 streams over 8 rounds, and adaptive's off
+  runs level with OFF too; docs/benchmarks.md, fiftieth and fifty-first parts); its
+  per-round ratio to OFF in the table;
 * static: ``gateway.policy.static_policy`` with ``--static-threshold``
   (the gateway's ``--spec-disable-batch-threshold``: speculate up to that batch size);
 * adaptive: one ``gateway.policy.AdaptivePolicy`` per concurrency with the gateway's
