@@ -61,6 +61,8 @@ so plain decoding keeps each wave in step and prefills it in one step, while spe
 (different tokens per step for each sequence) makes requests finish and arrive one by one.
 
 ``--from-json`` re-renders the table and plot of a saved run without running anything;
+``--join A.json B.json ...`` joins the saved calls of one sweep split by concurrency (a
+GPU call's 10 minutes do not fit 6 rounds at 1-64 streams) into one report;
 ``--pool A.json B.json ...`` pools several saved sweeps (adaptive against the better fixed
 mode, each sweep's and all their rounds', :func:`pool`): on a 2-core CPU the machine's speed
 moves between sweeps by as much as the aim, so one sweep's ratio at 1-4 streams scatters.
@@ -681,6 +683,34 @@ def save_json(report: dict[str, Any], path: Path | None) -> None:
         path.write_text(json.dumps(report, indent=1) + "\n")
 
 
+# Settings that may differ between the calls of one sweep split by concurrency (the 10-minute
+# limit of a GPU call): what each call ran, and where its target listened.
+JOIN_FREE = ("concurrency", "target")
+
+
+def join(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """One report of a sweep run as several calls over disjoint concurrencies, with the same
+    machine and settings otherwise: their results in order of concurrency, each call's date,
+    concurrencies and command under ``calls``; the date, command and start-up report the first
+    call's. Raises ValueError where the reports are not parts of one sweep."""
+    first = reports[0]
+    fixed = {k: v for k, v in first["settings"].items() if k not in JOIN_FREE}
+    for report in reports[1:]:
+        other = {k: v for k, v in report["settings"].items() if k not in JOIN_FREE}
+        differ = sorted(k for k in fixed.keys() | other.keys() if fixed.get(k) != other.get(k))
+        if differ or report["machine"]["label"] != first["machine"]["label"]:
+            raise ValueError("the reports are not parts of one sweep: they differ in "
+                             + ", ".join(differ or ["the machine"]))
+    concurrencies = [e["concurrency"] for r in reports for e in r["results"]]
+    if len(set(concurrencies)) != len(concurrencies):
+        raise ValueError(f"the reports share a concurrency: {sorted(concurrencies)}")
+    results = sorted((e for r in reports for e in r["results"]), key=lambda e: e["concurrency"])
+    return {**first, "settings": {**first["settings"], "concurrency": sorted(concurrencies)},
+            "results": results, "complete": all(r.get("complete") for r in reports),
+            "calls": [{"date": r["date"], "concurrency": r["settings"]["concurrency"],
+                       "command": r["command"]} for r in reports]}
+
+
 def render(report: dict[str, Any], args: argparse.Namespace) -> None:
     """Print the table; write it and the plot where asked."""
     if not report["results"]:
@@ -1059,6 +1089,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "bench/simulate_policy.py replays")
     parser.add_argument("--from-json", type=Path,
                         help="render the table and plot of this saved run; run nothing")
+    parser.add_argument("--join", type=Path, nargs="+", metavar="JSON",
+                        help="join saved runs of one sweep split over calls by concurrency "
+                             "into one report (--out-json), and render it; run nothing")
     parser.add_argument("--pool", type=Path, nargs="+", metavar="JSON",
                         help="print adaptive against the better fixed mode over these saved "
                              "runs (per sweep and all their rounds together); run nothing")
@@ -1076,6 +1109,14 @@ def main(argv: list[str] | None = None) -> int:
                      "pip install -e '.[bench]' (or leave --out-png out)")
     if args.from_json:
         render(json.loads(args.from_json.read_text()), args)
+        return 0
+    if args.join:
+        try:
+            joined = join([json.loads(path.read_text()) for path in args.join])
+        except ValueError as exc:  # a usage error: said as one, without a traceback
+            parser.error(f"--join: {exc}")
+        save_json(joined, args.out_json)
+        render(joined, args)
         return 0
     if args.pool:
         print(pool_markdown([json.loads(path.read_text()) for path in args.pool],

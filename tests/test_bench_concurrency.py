@@ -141,6 +141,46 @@ def test_out_png_without_matplotlib_is_refused_before_any_run(tmp_path, capsys, 
     assert not (tmp_path / "t.md").exists()  # nothing ran
 
 
+def call_of(report: dict, concurrencies: list[int], date: str, port: int) -> dict:
+    """A call of a sweep split by concurrency: ``report``'s results at ``concurrencies``."""
+    part = json.loads(json.dumps(report))
+    part["results"] = [e for e in part["results"] if e["concurrency"] in concurrencies]
+    part["settings"] |= {"concurrency": concurrencies, "target": f"127.0.0.1:{port}"}
+    part |= {"date": date, "command": f"bench_concurrency.py --concurrency {concurrencies}"}
+    return part
+
+
+def test_calls_of_one_sweep_join_into_one_report_and_other_runs_do_not(tmp_path, capsys):
+    """--join: the calls of one sweep split by concurrency make the report one call of all of
+    them would have (results in order of concurrency, each call's date and command kept);
+    reports of other settings, another machine or a shared concurrency are refused."""
+    calls = [call_of(REPORT, [16, 64], "2026-12-07T11:15", 1), call_of(REPORT, [1], "11:09", 2)]
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, call in zip(paths, calls, strict=True):
+        path.write_text(json.dumps(call))
+    out = tmp_path / "joined.json"
+    assert bc.main(["--join", *map(str, paths), "--out-json", str(out)]) == 0
+    joined = json.loads(out.read_text())
+    assert [e["concurrency"] for e in joined["results"]] == [1, 16, 64]
+    assert joined["results"] == sorted(REPORT["results"], key=lambda e: e["concurrency"])
+    assert joined["settings"]["concurrency"] == [1, 16, 64] and joined["complete"]
+    assert [c["date"] for c in joined["calls"]] == ["2026-12-07T11:15", "11:09"]
+    assert joined["date"] == "2026-12-07T11:15" and joined["machine"] == REPORT["machine"]
+    assert bc.markdown(joined).splitlines()[2:] == bc.markdown(
+        {**REPORT, "results": joined["results"]}).splitlines()[2:]  # the same table
+    capsys.readouterr()
+    other = call_of(REPORT, [1], "x", 3)
+    other["settings"]["repeats"] = 5
+    elsewhere = call_of(REPORT, [1], "x", 3)
+    elsewhere["machine"] = {**REPORT["machine"], "label": "one H100"}
+    for bad, why in ((other, "differ in repeats"), (elsewhere, "differ in the machine"),
+                     (call_of(REPORT, [64], "x", 3), "share a concurrency")):
+        paths[1].write_text(json.dumps(bad))
+        with pytest.raises(SystemExit):
+            bc.main(["--join", *map(str, paths)])
+        assert why in capsys.readouterr().err
+
+
 def test_pooled_sweeps_take_each_sweeps_better_mode_and_all_their_rounds(tmp_path, capsys):
     # Sweep A: OFF better, adaptive 0.99 and 0.97 of it. Sweep B: ON better (1.10x OFF),
     # adaptive 0.99 of ON in each round. A sweep without adaptive adds nothing.
