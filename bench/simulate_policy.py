@@ -54,7 +54,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gateway.policy import AdaptivePolicy, adaptive_shapes, describe_policy, requests_out
 from splitspec.v1 import common_pb2, target_pb2
@@ -315,6 +315,87 @@ def batch_lines(paths: list[Path]) -> list[str]:
     return lines
 
 
+PLAIN_RUN_SHARE = 0.9  # --after: a run counts as plain with this share of its decode steps plain
+
+
+def after_lines(paths: list[Path]) -> list[str]:
+    """Per concurrency, whether a plain run is slower after a run of some mode: the timed runs
+    with at least PLAIN_RUN_SHARE of their decode steps plain (OFF's, never's, adaptive's where
+    it ran off), grouped by the mode of the run just before them at that concurrency in the
+    same trace (warm-ups included). For each group, the median over its runs of each run's
+    median plain decode step (``period_s``, the step as the client saw it) and forward
+    (``forward_s``), then the forward's median by quarter of the run (the steps' place in the
+    run; the last quarter holds the drain, where the batch shrinks), each beside its ratio to
+    the runs after any other mode. A plain decode step: it decoded, did not speculate and
+    prefilled no prompt. Session 66 and 67 found a plain run 1-2 % slower after an ON run on
+    an H100, at the run's start (docs/benchmarks.md, fifty-first part)."""
+    runs: dict[tuple[int, str], list[PlainRun]] = defaultdict(list)
+    for path in paths:
+        before: dict[int, str] = {}
+        for run in _read_runs(path):
+            streams, previous = run["concurrency"], before.get(run["concurrency"])
+            before[streams] = run["mode"]
+            plain = _plain_run(run) if run["run"] >= 0 and previous is not None else None
+            if plain is not None:
+                runs[streams, previous].append(plain)
+    lines = []
+    for streams, previous in sorted(runs):
+        mine = runs[streams, previous]
+        others = [r for (s, p), group in runs.items() if s == streams and p != previous
+                  for r in group]
+        quarters = [_figure(mine, others, lambda group, q=q: [t for r in group
+                                                               for t in r.quarters[q]])
+                    for q in range(4)]
+        lines.append(
+            f"{streams} streams, plain runs after {previous}: {_runs(len(mine))}, step "
+            f"{_figure(mine, others, lambda group: [r.step for r in group])}, forward "
+            f"{_figure(mine, others, lambda group: [r.forward for r in group])}; the forward "
+            f"by quarter of the run {', '.join(quarters)}"
+            + (f" (in brackets: against the {_runs(len(others))} after other modes)"
+               if others else ""))
+    return lines
+
+
+class PlainRun(NamedTuple):
+    step: float  # the run's median plain decode step (period_s)
+    forward: float  # and forward (forward_s)
+    quarters: list[list[float]]  # the forwards of its plain decode steps, by quarter of the run
+
+
+def _plain_run(run: dict[str, Any]) -> PlainRun | None:
+    """A --step-trace run's plain decode steps (they decoded, did not speculate and prefilled
+    no prompt), or None where it is no plain run: more than 1 - PLAIN_RUN_SHARE of its
+    decode steps speculated, or none was plain."""
+    ix = {name: i for i, name in enumerate(run["fields"])}
+    steps = run["steps"]
+    plain = [row[ix["batch_size"]] > 0 and not row[ix["speculated"]]
+             and not row[ix["prefill_tokens"]] for row in steps]
+    decode = [row for row in steps if row[ix["batch_size"]]]
+    speculated = sum(1 for row in decode if row[ix["speculated"]])
+    if not any(plain) or speculated > (1 - PLAIN_RUN_SHARE) * len(decode):
+        return None
+    kept = [row for row, is_plain in zip(steps, plain, strict=True) if is_plain]
+    n = len(steps)
+    quarters = [[row[ix["forward_s"]] for row, is_plain in zip(
+        steps[q * n // 4:(q + 1) * n // 4], plain[q * n // 4:(q + 1) * n // 4], strict=True)
+        if is_plain] for q in range(4)]
+    return PlainRun(statistics.median(row[ix["period_s"]] for row in kept),
+                    statistics.median(row[ix["forward_s"]] for row in kept), quarters)
+
+
+def _figure(mine: list[PlainRun], others: list[PlainRun],
+            values: Callable[[list[PlainRun]], list[float]]) -> str:
+    """The median of ``values(mine)`` in ms, and beside it its ratio to that of ``others``."""
+    value = statistics.median(values(mine) or [math.nan])
+    other = values(others)
+    return f"{value * 1e3:.3f} ms" + (f" ({value / statistics.median(other):.3f})"
+                                      if other else "")
+
+
+def _runs(count: int) -> str:
+    return f"{count} run" + ("" if count == 1 else "s")
+
+
 def _joins(steps: list[list], ix: dict[str, int], streams: int) -> str:
     """How often a stream's next request joined the very next step: of the steps that ended a
     request with every stream decoding, the share whose next decode step also prefilled a
@@ -560,6 +641,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="also simulate a second policy built with these keyword arguments "
                              "(e.g. '{\"probe_share\": 0.01}'), on the same seeds, and print "
                              "its line after adaptive's (as bench_concurrency.py --variant)")
+    parser.add_argument("--after", action="store_true",
+                        help="instead: per concurrency, the plain runs' median step and forward "
+                             "grouped by the mode of the run before them, and the forward by "
+                             "quarter of the run, each against the runs after the other modes "
+                             "(is a plain run slower after ON?)")
     parser.add_argument("--batches", action="store_true",
                         help="instead: per timed run, its throughput against its tokens per "
                              "second per decoding sequence, its mean decode batch and (where "
@@ -568,6 +654,10 @@ def main(argv: list[str] | None = None) -> int:
                              "the requests in flight, and how often an ended request's stream "
                              "had its next request in the very next step")
     args = parser.parse_args(argv)
+    if args.after:
+        for line in after_lines(args.traces):
+            print(line)
+        return 0
     if args.batches:
         for line in batch_lines(args.traces):
             print(line)

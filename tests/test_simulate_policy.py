@@ -528,3 +528,41 @@ def test_the_digest_of_a_traces_decisions_changes_with_any_decision(capsys, monk
     assert sp.main([str(SESSION38_64), "--digest"]) == 0
     other = capsys.readouterr().out
     assert not re.search(rf"(?m)^{at_64}$", other) and other.splitlines()[-1] != first.splitlines()[-1]
+
+
+def test_after_tells_a_plain_run_slowed_by_the_run_before_it(tmp_path, capsys):
+    """--after: at 1 stream, a plain run right after an ON run has its first quarter's steps
+    at 12 ms, a plain run after another plain one all at 10 ms; each plain run also has a
+    prompt's step (not a plain decode step, left out) and the ON runs are not plain runs.
+    The slowed run's median step is still 10 ms (three quarters at 10), its first quarter
+    1.2 times the other's; warm-ups count only as the run before."""
+    fields = [*TRACE_FIELDS, "first_child_accepted"]
+
+    def run_line(mode: str, run: int, periods: list[float]) -> str:
+        rows = []
+        for i, period in enumerate([0.05, *periods]):  # the first step prefills the prompt
+            speculated = mode == "ON"
+            row = dict.fromkeys(TRACE_FIELDS, 0) | {
+                "step": i, "batch_size": 1, "prefill_tokens": 16 if i == 0 else 0,
+                "speculated": speculated, "tree_budget": 8 if speculated else 0,
+                "committed_tokens": 3 if speculated else 1, "period_s": period,
+                "total_s": period, "forward_s": period - 0.001}
+            rows.append([row[name] for name in TRACE_FIELDS] + [[]])
+        return json.dumps({"concurrency": 1, "mode": mode, "run": run, "fields": fields,
+                           "steps": rows})
+
+    plain, slowed = [0.010] * 15, [0.012] * 3 + [0.010] * 12  # 16 steps: 4 a quarter
+    lines = [run_line("ON", -1, [0.02] * 15), run_line("OFF", 0, slowed),
+             run_line("ON", 0, [0.02] * 15), run_line("OFF", 1, slowed),
+             run_line("OFF", 2, plain), run_line("ON", 1, [0.02] * 15)]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert sp.main([str(path), "--after"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "1 streams, plain runs after OFF: 1 run, step 10.000 ms (1.000), forward 9.000 ms "
+        "(1.000); the forward by quarter of the run 9.000 ms (0.818), 9.000 ms (1.000), "
+        "9.000 ms (1.000), 9.000 ms (1.000) (in brackets: against the 2 runs after other modes)",
+        "1 streams, plain runs after ON: 2 runs, step 10.000 ms (1.000), forward 9.000 ms "
+        "(1.000); the forward by quarter of the run 11.000 ms (1.222), 9.000 ms (1.000), "
+        "9.000 ms (1.000), 9.000 ms (1.000) (in brackets: against the 1 run after other modes)"]
