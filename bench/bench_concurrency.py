@@ -122,7 +122,7 @@ import time
 from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from bench_speculation import (
@@ -144,10 +144,35 @@ from splitspec.grpc_server import CHANNEL_OPTIONS, wait_for_serving
 from splitspec.replay import record, write_records
 from splitspec.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
-MODES = ("OFF", "ON", "chain", "never", "static", "adaptive", "variant")
+
+class Mode(NamedTuple):
+    """How a mode (module docstring) is shown and warmed: its name in the table (``{threshold}``
+    is the static threshold), its line's label and marker in the plot, whether it has untimed
+    runs before the timed ones (``warm``), and whether it learns in them until settled with
+    --min-run-s (``learning``)."""
+    column: str
+    label: str
+    marker: str
+    warm: bool = True
+    learning: bool = False
+
+
+# In this order in the runs, the table and the plot. A new mode is a line here, what it sends
+# the target in the sweep's ``runs`` (sweep), and its ratio, if any, in summarize.
+MODE_TABLE = {
+    "OFF": Mode("OFF", "OFF", "o"),
+    "ON": Mode("ON", "ON (always)", "s"),
+    "chain": Mode("chain 3", "chain of 3 (always)", "v"),
+    "never": Mode("never (AUTO)", "AUTO under a policy that never speculates", "x"),
+    "static": Mode("static (<={threshold})", "static (speculate up to {threshold})", "^",
+                   warm=False),
+    "adaptive": Mode("adaptive", "adaptive", "D", learning=True),
+    "variant": Mode("variant", "adaptive, variant", "P", learning=True),
+}
+MODES = tuple(MODE_TABLE)
 DEFAULT_MODES = ("OFF", "ON", "static", "adaptive")  # and every report's before "chain"
-WARM_MODES = ("OFF", "ON", "chain", "never", "adaptive", "variant")  # the modes with untimed runs
-LEARNING_MODES = ("adaptive", "variant")  # with --min-run-s, untimed runs until settled
+WARM_MODES = tuple(mode for mode, how in MODE_TABLE.items() if how.warm)
+LEARNING_MODES = tuple(mode for mode, how in MODE_TABLE.items() if how.learning)
 AIM = 0.97  # adaptive within 3 % of the best of OFF and ON
 INTERVAL_LEVEL = 0.9     # of the bootstrap interval around adaptive / best
 BOOTSTRAP_SAMPLES = 2000
@@ -168,8 +193,7 @@ def parse_modes(text: str) -> list[str]:
     unknown = sorted(set(modes) - set(MODES))
     if unknown or not {"OFF", "ON"} <= set(modes):
         raise argparse.ArgumentTypeError(
-            f"--modes must name OFF, ON and any of chain, never, static, adaptive, variant (got "
-            f"{text!r})")
+            f"--modes must name OFF, ON and any of {', '.join(MODES[2:])} (got {text!r})")
     return [mode for mode in MODES if mode in modes]
 
 
@@ -594,9 +618,9 @@ def markdown(report: dict[str, Any]) -> str:
         + policy_warmup_text(report) + "." + acceptance_line(report),
         "",
     ]
-    names = {"OFF": "OFF", "ON": "ON", "chain": "chain 3", "never": "never (AUTO)",
-             "static": f"static (<={threshold})", "adaptive": "adaptive", "variant": "variant"}
-    header = ["concurrency", "prompts", *(f"{names[m]} tok/s" for m in modes), "ON / OFF"]
+    header = ["concurrency", "prompts",
+              *(f"{MODE_TABLE[m].column.format(threshold=threshold)} tok/s" for m in modes),
+              "ON / OFF"]
     if "adaptive" in modes:
         header += ["adaptive / best(OFF, ON)", f"{INTERVAL_LEVEL:.0%} interval"]
     if "variant" in modes and "adaptive" in modes:
@@ -643,19 +667,15 @@ def plot(report: dict[str, Any], path: Path) -> None:
     results = report["results"]
     xs = [entry["concurrency"] for entry in results]
     threshold = report["settings"]["static_threshold"]
-    labels = {"OFF": "OFF", "ON": "ON (always)", "chain": "chain of 3 (always)",
-              "never": "AUTO under a policy that never speculates",
-              "static": f"static (speculate up to {threshold})", "adaptive": "adaptive",
-              "variant": "adaptive, variant"}
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    markers = dict(zip(MODES, "osvx^DP", strict=True))
     for mode in modes_of(report):
-        marker = markers[mode]
+        how = MODE_TABLE[mode]
         runs = [entry["tokens_per_s"][mode] for entry in results]
         med = [statistics.median(r) for r in runs]
         err = [[m - min(r) for m, r in zip(med, runs, strict=True)],
                [max(r) - m for m, r in zip(med, runs, strict=True)]]
-        ax.errorbar(xs, med, yerr=err, marker=marker, capsize=3, label=labels[mode])
+        ax.errorbar(xs, med, yerr=err, marker=how.marker, capsize=3,
+                    label=how.label.format(threshold=threshold))
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_xlabel("concurrent streams")
@@ -1026,9 +1046,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --start: both services' --max-context (0: their default); "
                              "sizes the target's KV cache with --max-running")
     parser.add_argument("--modes", type=parse_modes, default=list(DEFAULT_MODES),
-                        help="comma-separated modes to run: OFF and ON, and any of chain, "
-                             "never, static, adaptive, variant (default: OFF, ON, static, "
-                             "adaptive)")
+                        help=f"comma-separated modes to run: OFF and ON, and any of "
+                             f"{', '.join(MODES[2:])} (default: {', '.join(DEFAULT_MODES)})")
     parser.add_argument("--variant", type=parse_variant, default=None,
                         help="with the mode variant in --modes: a JSON object of keyword "
                              "arguments for a second AdaptivePolicy, run interleaved with the "
