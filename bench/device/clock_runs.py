@@ -1,0 +1,119 @@
+"""The GPU's clocks, power and temperature over each run of a bench_concurrency.py log whose
+lines carry the seconds since the epoch in front (bench/device/pinning.sh writes them so,
+with the samples in clocks.csv): whether a mode runs at other clocks than another, apart
+from its host work.
+
+A run spans from the line that ended the run before it (a timed run's ``[k/n] concurrency
+..., MODE, run r/R: ...`` or a warm-up's ``warm-up: concurrency ..., MODE: ...``) to its own;
+the first run of a log, which holds the stack's start, is left out. Per timed run, the
+median of the samples inside it; then per log, concurrency and mode, the median over its
+runs::
+
+    python bench/device/clock_runs.py clocks.csv conc_8b_pin_*.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import NamedTuple
+
+RUN_END = re.compile(r"^(\d+\.\d+) (?:\[\d+/\d+\] concurrency (\d+), (\w+), run (\d+)/\d+:"
+                     r"|warm-up: concurrency (\d+), (\w+):)")
+
+
+class Sample(NamedTuple):
+    time: float  # seconds since the epoch
+    sm_mhz: float
+    mem_mhz: float
+    power_w: float
+    temperature_c: float
+
+
+class Run(NamedTuple):
+    concurrency: int
+    mode: str
+    run: int  # -1: a warm-up
+    start: float
+    end: float
+
+
+def read_samples(path: Path) -> list[Sample]:
+    """nvidia-smi's CSV (timestamp, clocks.sm, clocks.mem, power.draw, temperature.gpu),
+    its timestamps taken as UTC (the device machine's clock); lines it could not read (its
+    header, a failed query) are left out."""
+    samples = []
+    for line in path.read_text().splitlines():
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != 5 or not cells[1][:1].isdigit():
+            continue
+        stamp = datetime.strptime(cells[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=UTC)
+        sm, mem, power, temperature = (float(cell.split()[0]) for cell in cells[1:])
+        samples.append(Sample(stamp.timestamp(), sm, mem, power, temperature))
+    return samples
+
+
+def read_runs(path: Path) -> list[Run]:
+    """The runs of one stamped log, in order, the first (with the stack's start) left out."""
+    runs, last = [], None
+    for line in path.read_text().splitlines():
+        match = RUN_END.match(line)
+        if not match:
+            continue
+        end = float(match[1])
+        timed = match[2] is not None
+        concurrency, mode = (match[2], match[3]) if timed else (match[5], match[6])
+        if last is not None:
+            runs.append(Run(int(concurrency), mode, int(match[4]) - 1 if timed else -1, last,
+                            end))
+        last = end
+    return runs
+
+
+def inside(samples: list[Sample], run: Run) -> list[Sample]:
+    return [s for s in samples if run.start <= s.time < run.end]
+
+
+def _median_of_runs(runs: list[list[Sample]], field: str) -> float:
+    """The median over the runs of each run's median ``field``."""
+    return statistics.median(statistics.median(getattr(s, field) for s in run) for run in runs)
+
+
+def lines(samples: list[Sample], logs: list[Path]) -> list[str]:
+    out = []
+    for log in logs:
+        by_mode: dict[tuple[int, str], list[list[Sample]]] = {}
+        for run in read_runs(log):
+            mine = inside(samples, run)
+            if run.run < 0 or not mine:
+                continue
+            by_mode.setdefault((run.concurrency, run.mode), []).append(mine)
+        for (concurrency, mode), runs in sorted(by_mode.items()):
+            figures = [f"{name} {_median_of_runs(runs, field):.0f}"
+                       for name, field in (("SM MHz", "sm_mhz"), ("memory MHz", "mem_mhz"),
+                                           ("W", "power_w"), ("C", "temperature_c"))]
+            out.append(f"{log.name}: concurrency {concurrency}, {mode}: {len(runs)} runs, "
+                       f"{sum(len(r) for r in runs)} samples; " + ", ".join(figures))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("clocks", type=Path, help="nvidia-smi's samples (pinning.sh's clocks.csv)")
+    parser.add_argument("logs", type=Path, nargs="+", help="stamped bench_concurrency.py logs")
+    args = parser.parse_args(argv)
+    samples = read_samples(args.clocks)
+    if not samples:
+        print(f"{args.clocks}: no samples", file=sys.stderr)
+        return 1
+    for line in lines(samples, args.logs):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
