@@ -37,3 +37,28 @@ def test_each_timed_runs_samples_are_those_between_the_run_before_and_its_end(tm
         "C 45",
         "run.log: concurrency 1, ON: 2 runs, 10 samples; SM MHz 1700, memory MHz 2619, W 400, "
         "C 50"]
+
+
+def test_each_run_with_the_mode_before_it_and_its_first_seconds(tmp_path):
+    """--runs --first-s 4: the plain run after ON has its first 4 s at 1700 MHz (then 1980),
+    the one after the warm-up all at 1980."""
+    log = [(5.0, "warm-up: concurrency 2, ON: 300 tok/s (not counted)"),
+           (10.0, "warm-up: concurrency 2, OFF: 160 tok/s (not counted)"),
+           (20.0, "[1/3] concurrency 2, OFF, run 1/2: 165 tok/s; 10 s so far"),
+           (30.0, "[2/3] concurrency 2, ON, run 1/1: 310 tok/s; 20 s so far"),
+           (40.0, "[3/3] concurrency 2, OFF, run 2/2: 166 tok/s; 30 s so far")]
+    (tmp_path / "run.log").write_text("".join(f"{T0 + t:.6f} {text}\n" for t, text in log))
+    rows = [f"2026/12/07 00:00:{t:02d}.500, {1700 if 20 <= t < 34 else 1980} MHz, 2619 MHz, "
+            f"300 W, 45" for t in range(60)]
+    (tmp_path / "clocks.csv").write_text("\n".join(rows) + "\n")
+    done = subprocess.run([sys.executable, "bench/device/clock_runs.py",
+                           str(tmp_path / "clocks.csv"), str(tmp_path / "run.log"), "--runs",
+                           "--first-s", "4"], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, check=True)
+    assert done.stdout.splitlines()[:3] == [
+        "run.log: concurrency 2, OFF run 1 (after OFF, 10.0 s): 4 samples; SM MHz 1980, "
+        "memory MHz 2619, W 300, C 45",
+        "run.log: concurrency 2, ON run 1 (after OFF, 10.0 s): 4 samples; SM MHz 1700, "
+        "memory MHz 2619, W 300, C 45",
+        "run.log: concurrency 2, OFF run 2 (after ON, 10.0 s): 4 samples; SM MHz 1700, "
+        "memory MHz 2619, W 300, C 45"]

@@ -7,9 +7,11 @@ A run spans from the line that ended the run before it (a timed run's ``[k/n] co
 ..., MODE, run r/R: ...`` or a warm-up's ``warm-up: concurrency ..., MODE: ...``) to its own;
 the first run of a log, which holds the stack's start, is left out. Per timed run, the
 median of the samples inside it; then per log, concurrency and mode, the median over its
-runs::
+runs (``--runs``: each run too, with the mode run before it; ``--first-s``: only the samples in
+each run's first seconds)::
 
     python bench/device/clock_runs.py clocks.csv conc_8b_pin_*.log
+    python bench/device/clock_runs.py clocks.csv conc_64.log --runs --first-s 0.7
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Run(NamedTuple):
     run: int  # -1: a warm-up
     start: float
     end: float
+    before: str  # the mode of the run before it
 
 
 def read_samples(path: Path) -> list[Sample]:
@@ -59,7 +62,7 @@ def read_samples(path: Path) -> list[Sample]:
 
 def read_runs(path: Path) -> list[Run]:
     """The runs of one stamped log, in order, the first (with the stack's start) left out."""
-    runs, last = [], None
+    runs, last, before = [], None, ""
     for line in path.read_text().splitlines():
         match = RUN_END.match(line)
         if not match:
@@ -69,13 +72,15 @@ def read_runs(path: Path) -> list[Run]:
         concurrency, mode = (match[2], match[3]) if timed else (match[5], match[6])
         if last is not None:
             runs.append(Run(int(concurrency), mode, int(match[4]) - 1 if timed else -1, last,
-                            end))
-        last = end
+                            end, before))
+        last, before = end, mode
     return runs
 
 
-def inside(samples: list[Sample], run: Run) -> list[Sample]:
-    return [s for s in samples if run.start <= s.time < run.end]
+def inside(samples: list[Sample], run: Run, first_s: float | None = None) -> list[Sample]:
+    """The samples in ``run`` (in its first ``first_s`` seconds, when given)."""
+    end = run.end if first_s is None else min(run.end, run.start + first_s)
+    return [s for s in samples if run.start <= s.time < end]
 
 
 def _median_of_runs(runs: list[list[Sample]], field: str) -> float:
@@ -83,19 +88,30 @@ def _median_of_runs(runs: list[list[Sample]], field: str) -> float:
     return statistics.median(statistics.median(getattr(s, field) for s in run) for run in runs)
 
 
-def lines(samples: list[Sample], logs: list[Path]) -> list[str]:
+FIELDS = (("SM MHz", "sm_mhz"), ("memory MHz", "mem_mhz"), ("W", "power_w"),
+          ("C", "temperature_c"))
+
+
+def lines(samples: list[Sample], logs: list[Path], first_s: float | None = None,
+          each_run: bool = False) -> list[str]:
+    """Per log, concurrency and mode, the medians over its timed runs; with ``each_run``,
+    first a line for each timed run (with the mode of the run before it)."""
     out = []
     for log in logs:
         by_mode: dict[tuple[int, str], list[list[Sample]]] = {}
         for run in read_runs(log):
-            mine = inside(samples, run)
+            mine = inside(samples, run, first_s)
             if run.run < 0 or not mine:
                 continue
             by_mode.setdefault((run.concurrency, run.mode), []).append(mine)
+            if each_run:
+                figures = [f"{name} {_median_of_runs([mine], field):.0f}"
+                           for name, field in FIELDS]
+                out.append(f"{log.name}: concurrency {run.concurrency}, {run.mode} run "
+                           f"{run.run + 1} (after {run.before}, {run.end - run.start:.1f} s): "
+                           f"{len(mine)} samples; " + ", ".join(figures))
         for (concurrency, mode), runs in sorted(by_mode.items()):
-            figures = [f"{name} {_median_of_runs(runs, field):.0f}"
-                       for name, field in (("SM MHz", "sm_mhz"), ("memory MHz", "mem_mhz"),
-                                           ("W", "power_w"), ("C", "temperature_c"))]
+            figures = [f"{name} {_median_of_runs(runs, field):.0f}" for name, field in FIELDS]
             out.append(f"{log.name}: concurrency {concurrency}, {mode}: {len(runs)} runs, "
                        f"{sum(len(r) for r in runs)} samples; " + ", ".join(figures))
     return out
@@ -105,12 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("clocks", type=Path, help="nvidia-smi's samples (pinning.sh's clocks.csv)")
     parser.add_argument("logs", type=Path, nargs="+", help="stamped bench_concurrency.py logs")
+    parser.add_argument("--first-s", type=float, default=None,
+                        help="only the samples in each run's first this many seconds")
+    parser.add_argument("--runs", action="store_true",
+                        help="also a line for each timed run, with the mode run before it")
     args = parser.parse_args(argv)
     samples = read_samples(args.clocks)
     if not samples:
         print(f"{args.clocks}: no samples", file=sys.stderr)
         return 1
-    for line in lines(samples, args.logs):
+    for line in lines(samples, args.logs, args.first_s, args.runs):
         print(line)
     return 0
 
