@@ -1,6 +1,6 @@
 """The GPU's clocks, power and temperature over each run of a bench_concurrency.py log whose
 lines carry the seconds since the epoch in front (bench/device/pinning.sh writes them so,
-with the samples in clocks.csv): whether a mode runs at other clocks than another, apart
+with the samples in clocks.csv; either may be gzipped, its name ending in .gz): whether a mode runs at other clocks than another, apart
 from its host work.
 
 A run spans from the line that ended the run before it (a timed run's ``[k/n] concurrency
@@ -17,6 +17,7 @@ each run's first seconds)::
 from __future__ import annotations
 
 import argparse
+import gzip
 import re
 import statistics
 import sys
@@ -45,12 +46,17 @@ class Run(NamedTuple):
     before: str  # the mode of the run before it
 
 
+def _text(path: Path) -> str:
+    """A file's text, gunzipped where its name ends in .gz."""
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
 def read_samples(path: Path) -> list[Sample]:
     """nvidia-smi's CSV (timestamp, clocks.sm, clocks.mem, power.draw, temperature.gpu),
     its timestamps taken as UTC (the device machine's clock); lines it could not read (its
     header, a failed query) are left out."""
     samples = []
-    for line in path.read_text().splitlines():
+    for line in _text(path).splitlines():
         cells = [cell.strip() for cell in line.split(",")]
         if len(cells) != 5 or not cells[1][:1].isdigit():
             continue
@@ -63,7 +69,7 @@ def read_samples(path: Path) -> list[Sample]:
 def read_runs(path: Path) -> list[Run]:
     """The runs of one stamped log, in order, the first (with the stack's start) left out."""
     runs, last, before = [], None, ""
-    for line in path.read_text().splitlines():
+    for line in _text(path).splitlines():
         match = RUN_END.match(line)
         if not match:
             continue
