@@ -315,20 +315,21 @@ def batch_lines(paths: list[Path]) -> list[str]:
     return lines
 
 
-PLAIN_RUN_SHARE = 0.9  # --after: a run counts as plain with this share of its decode steps plain
+PLAIN_RUN_SHARE = 0.9  # --after: a plain run has at least this share of decode steps unspeculated
 
 
 def after_lines(paths: list[Path]) -> list[str]:
     """Per concurrency, whether a plain run is slower after a run of some mode: the timed runs
-    with at least PLAIN_RUN_SHARE of their decode steps plain (OFF's, never's, adaptive's where
-    it ran off), grouped by the mode of the run just before them at that concurrency in the
-    same trace (warm-ups included). For each group, the median over its runs of each run's
-    median plain decode step (``period_s``, the step as the client saw it) and forward
-    (``forward_s``), then the forward's median by quarter of the run (the steps' place in the
-    run; the last quarter holds the drain, where the batch shrinks), each beside its ratio to
-    the runs after any other mode. A plain decode step: it decoded, did not speculate and
-    prefilled no prompt. Session 66 and 67 found a plain run 1-2 % slower after an ON run on
-    an H100, at the run's start (docs/benchmarks.md, fifty-first part)."""
+    with at least PLAIN_RUN_SHARE of their decode steps unspeculated (OFF's, never's,
+    adaptive's where it ran off), grouped by the mode of the run just before them at that
+    concurrency in the same trace (warm-ups included). For each group, the median over its
+    runs of each run's median plain decode step (``period_s``, the step as the client saw it)
+    and forward (``forward_s``), then the forward's median by quarter of the run (the steps'
+    place in the run; the last quarter holds the drain, where the batch shrinks), each beside
+    its ratio to the runs after any other mode. A plain decode step: it decoded, did not speculate and
+    prefilled no prompt. Sessions 66 and 67 found a plain run 1-2 % slower after an ON run on
+    an H100, at the run's start; session 68, on another H100 host, did not (docs/benchmarks.md,
+    fifty-first and fifty-second parts)."""
     runs: dict[tuple[int, str], list[PlainRun]] = defaultdict(list)
     for path in paths:
         before: dict[int, str] = {}

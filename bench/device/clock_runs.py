@@ -1,7 +1,7 @@
 """The GPU's clocks, power and temperature over each run of a bench_concurrency.py log whose
 lines carry the seconds since the epoch in front (bench/device/pinning.sh writes them so,
-with the samples in clocks.csv; either may be gzipped, its name ending in .gz): whether a mode runs at other clocks than another, apart
-from its host work.
+with the samples in clocks.csv; either may be gzipped, its name ending in .gz): whether a
+mode runs at other clocks than another, apart from its host work.
 
 A run spans from the line that ended the run before it (a timed run's ``[k/n] concurrency
 ..., MODE, run r/R: ...`` or a warm-up's ``warm-up: concurrency ..., MODE: ...``) to its own;
