@@ -11,7 +11,7 @@ T0 = 1796601600.0  # 2026-12-07 00:00:00 UTC
 def test_each_timed_runs_samples_are_those_between_the_run_before_and_its_end(tmp_path):
     """The first warm-up (with the stack's start) and the warm-ups are left out; OFF's runs
     hold the samples at 1980 MHz, ON's at 1700, and a sample outside every run counts for
-    none; a failed query's line is skipped."""
+    none; a failed query's line, and one without a value, are skipped."""
     log = [(5.0, "warm-up: concurrency 1, OFF: 160 tok/s (2.0 s, 24 prompts, not counted)"),
            (10.0, "warm-up: concurrency 1, ON: 300 tok/s (not counted)"),
            (20.0, "[1/4] concurrency 1, OFF, run 1/2: 165 tok/s; 10 s so far"),
@@ -28,6 +28,7 @@ def test_each_timed_runs_samples_are_those_between_the_run_before_and_its_end(tm
         rows.append(f"{stamp}, {1700 if on else 1980} MHz, 2619 MHz, {400 if on else 300}.5 W, "
                     f"{50 if on else 45}")
     rows.insert(5, "Unable to determine the device handle: Unknown Error")
+    rows.insert(7, "2026/12/07 00:00:21.000, 100 MHz, 2619 MHz, [N/A], 50")  # (no power)
     (tmp_path / "clocks.csv").write_text("\n".join(rows) + "\n")
     done = subprocess.run([sys.executable, "bench/device/clock_runs.py",
                            str(tmp_path / "clocks.csv"), str(tmp_path / "run.log")], cwd=REPO,

@@ -51,17 +51,22 @@ def _text(path: Path) -> str:
     return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
 
 
+def _number(text: str) -> bool:
+    return re.fullmatch(r"\d+(?:\.\d+)?", text) is not None
+
+
 def read_samples(path: Path) -> list[Sample]:
     """nvidia-smi's CSV (timestamp, clocks.sm, clocks.mem, power.draw, temperature.gpu),
     its timestamps taken as UTC (the device machine's clock); lines it could not read (its
-    header, a failed query) are left out."""
+    header, a failed query, a value it did not have: ``[N/A]``) are left out."""
     samples = []
     for line in _text(path).splitlines():
         cells = [cell.strip() for cell in line.split(",")]
-        if len(cells) != 5 or not cells[1][:1].isdigit():
+        values = [cell.split()[0] if cell else "" for cell in cells[1:]]
+        if len(cells) != 5 or not all(_number(v) for v in values):
             continue
         stamp = datetime.strptime(cells[0], "%Y/%m/%d %H:%M:%S.%f").replace(tzinfo=UTC)
-        sm, mem, power, temperature = (float(cell.split()[0]) for cell in cells[1:])
+        sm, mem, power, temperature = (float(v) for v in values)
         samples.append(Sample(stamp.timestamp(), sm, mem, power, temperature))
     return samples
 
