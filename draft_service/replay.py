@@ -57,7 +57,6 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
-import logging
 import random
 from array import array
 from collections.abc import Iterable
@@ -85,8 +84,6 @@ from splitspec.replay import ReplayRecord
 from splitspec.staging import reuse
 from splitspec.tokenizer import TOKENIZER_FILE, tokenizer_sha256
 from splitspec.tree import EMPTY_TREE, Tree
-
-log = logging.getLogger(__name__)
 
 MISS_KEY_TOKENS = 8  # a miss's tree is seeded by the last this many tokens (and n)
 
@@ -241,9 +238,7 @@ class ReplayDrafter(BaseDrafter):
         costed = self.cost.draft(session.cost, seqs, release_ids)
         results = super().draft(session, seqs, release_ids)
         for i, (mine, theirs) in enumerate(zip(results, costed, strict=True)):
-            if theirs.error and not mine.error:
-                log.warning("replay draft drops sequence %d: its cost model could not serve "
-                            "it", mine.seq_id)
+            if theirs.error and not mine.error:  # the cost model logged why, once
                 with self._lock:
                     self._drop(session, mine.seq_id)
                 results[i] = SeqResult(mine.seq_id, EMPTY_TREE, f"cost model: {theirs.error}")

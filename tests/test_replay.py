@@ -5,6 +5,7 @@ through the built-in target with speculation OFF, replayed at corruption 0 and 1
 from __future__ import annotations
 
 import json
+import logging
 import math
 import random
 from collections import Counter
@@ -361,15 +362,19 @@ def test_a_cost_model_runs_every_request_and_leaves_the_trees_the_replays():
     assert drafter.num_held == 0 and drafter.cost.num_held == 0
 
 
-def test_a_sequence_the_cost_model_cannot_serve_fails_in_both():
+def test_a_sequence_the_cost_model_cannot_serve_fails_in_both(caplog):
     """A request without the head's features: the head refuses the sequence, so the replay
-    drops it too and says why; the target then resends it from 0, which both take."""
+    drops it too and says why, in one log line; the target then resends it from 0, which
+    both take."""
     records = builtin_records()
     drafter = costed_drafter(records)
     tokens = records[0].full[:30]
     session = drafter.open_session()
-    (bad,) = drafter.draft(session, [SeqInput(1, 0, tokens, CHAIN)])
+    with caplog.at_level(logging.WARNING):
+        (bad,) = drafter.draft(session, [SeqInput(1, 0, tokens, CHAIN)])
     assert bad.error.startswith("cost model: ") and "hidden_states" in bad.error, bad.error
+    refusals = [r.getMessage() for r in caplog.records if "sequence 1" in r.getMessage()]
+    assert len(refusals) == 1 and "hidden_states" in refusals[0], refusals
     assert drafter.num_held == 0 and not bad.tree.num_nodes
     head = drafter.cost.model
     (good,) = drafter.draft(session, [seq_input(head, 1, 0, tokens, CHAIN,
