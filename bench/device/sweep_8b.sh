@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, ".whl" and ".out" carried (setup.sh):
-#     bash bench/device/sweep_8b.sh CONCURRENCY [REPEATS] [more bench_concurrency.py flags]
+#     [REPEATS=6] bash bench/device/sweep_8b.sh CONCURRENCY [more bench_concurrency.py flags]
 # The fifty-first part's sweep (docs/benchmarks.md): the 8B shape with RANDOM weights, the
 # replay draft at the trained pair's acceptance (corrupt 0.18) with an EAGLE-3 head of the
 # 8B shape drafting every tree (--replay-cost-head), ragged lengths, OFF, ON and adaptive,
 # REPEATS rounds (default 6: a whole cycle of the balanced order for three modes) at each
-# of CONCURRENCY (e.g. 1,2,4). A call of 600 s holds 1,2,4 or 8,16,32 or 64 at 6 rounds.
+# of CONCURRENCY (e.g. 1,2,4). A call of 600 s holds 1,2,4 or 8,16,32 or 64 at 6 rounds
+# (sessions 67-68 on H100s: 300, 280 and 160 s with the kernels cached). Not yet run.
 # Writes $OUT/conc_8b_sweep_<CONCURRENCY with _ for ,>.{json,log} and saves the kernel
 # caches; join the calls' JSONs with bench_concurrency.py --join.
 set -uo pipefail
 if [ $# -lt 1 ]; then
-    echo "usage: bash bench/device/sweep_8b.sh CONCURRENCY [REPEATS] [flags]"; exit 2
+    echo "usage: [REPEATS=6] bash bench/device/sweep_8b.sh CONCURRENCY [flags]"; exit 2
 fi
 conc=$1
-repeats=${2:-6}
-shift $(( $# >= 2 ? 2 : 1 ))
+shift
+repeats=${REPEATS:-6}
 source bench/device/setup.sh
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 name="conc_8b_sweep_${conc//,/_}"
