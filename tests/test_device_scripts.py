@@ -1,15 +1,23 @@
 """The device scripts' shell helpers, run with bash: the A/B helper (bench/device/ab_trees.sh:
 which code trees an A/B call compares, and the order each round runs them in), setup.sh's
 link of the carried flashinfer kernels (bench/device/aot_links.sh) and its unpacking, done
-once a call."""
+once a call, and the 8B cost-head command the bench scripts share (setup.sh's COSTHEAD_8B)."""
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+
+import bench_concurrency  # noqa: E402  (bench/ is a script folder, not a package)
+
 SHOW = """set -u
 source bench/device/ab_trees.sh
 echo "trees ${trees[*]}"
@@ -132,3 +140,53 @@ def test_every_device_script_parses():
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
                                 timeout=30)
         assert result.returncode == 0, (script.name, result.stderr)
+
+
+def _stub_device(root: Path) -> dict[str, str]:
+    """root as the GPU machine's checkout for setup.sh: the scripts, a carried .whl, and
+    stubs of nvidia-smi (a card's name) and python3 (its arguments, a line a call, to
+    root/calls); the environment to run a script there with $OUT in root/out."""
+    shutil.copytree(REPO / "bench" / "device", root / "bench" / "device")
+    (root / "pkg" / "site").mkdir(parents=True)
+    (root / ".whl").mkdir()
+    subprocess.run(["tar", "-cJf", ".whl/site.txz", "-C", "pkg", "site"], cwd=root,
+                   check=True, timeout=30)
+    stubs = root / "stubs"
+    stubs.mkdir()
+    (stubs / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H200'\n")
+    (stubs / "python3").write_text(f'#!/bin/bash\necho "${{*@Q}}" >> {root}/calls\n')
+    for stub in stubs.iterdir():
+        stub.chmod(0o755)
+    (root / "out").mkdir()
+    return {"PATH": f"{stubs}:/usr/bin:/bin", "HOME": str(root), "OUT": str(root / "out")}
+
+
+@pytest.mark.parametrize(("script", "args", "expect"), [
+    ("costhead.sh", ["fp8 bf16"], [("1,2", "OFF,ON", 3), ("1,2", "OFF,ON", 3)]),
+    ("sweep_8b.sh", ["8,16,32", "--step-trace", "s.jsonl"], [("8,16,32", "OFF,ON,adaptive", 6)]),
+])
+def test_the_8b_cost_head_scripts_run_one_valid_bench_command_each(tmp_path, script, args,
+                                                                   expect):
+    """costhead.sh and sweep_8b.sh, with the GPU and Python stubbed: each bench command
+    they start parses with bench_concurrency.py's own parser and is the shared 8B cost-head
+    run (setup.sh's COSTHEAD_8B) at the script's concurrencies, modes and rounds; fp8 adds
+    the draft's --quantize, and sweep_8b.sh passes on the flags after its concurrencies."""
+    env = _stub_device(tmp_path)
+    done = subprocess.run(["bash", f"bench/device/{script}", *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = [shlex.split(line) for line in (tmp_path / "calls").read_text().splitlines()]
+    benches = [call[2:] for call in calls if call[:2] == ["-u", "bench_concurrency.py"]]
+    assert len(benches) == len(expect), calls
+    for argv, (concurrency, modes, repeats) in zip(benches, expect, strict=True):
+        parsed = bench_concurrency.build_parser().parse_args(argv)
+        assert (parsed.random_8b, parsed.draft_kind, parsed.replay_corrupt_rate,
+                parsed.replay_cost_head) == (True, "replay", 0.18, True)
+        assert argv[argv.index("--concurrency") + 1] == concurrency
+        assert (",".join(parsed.modes), parsed.repeats) == (modes, repeats)
+        assert parsed.machine == "one NVIDIA H200"
+    if script == "costhead.sh":  # fp8 first, as asked: its draft is quantized, bf16's not
+        assert {"--draft-flag=--quantize", "--draft-flag=fp8"} <= set(benches[0])
+        assert "--draft-flag=--quantize" not in benches[1]
+    else:
+        assert parsed.step_trace is not None

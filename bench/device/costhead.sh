@@ -18,11 +18,8 @@ for quant in ${1:-bf16 fp8}; do
         fp8) extra=(--draft-flag=--quantize --draft-flag=fp8) ;;
         *) echo "costhead.sh: unknown quant '$quant' (bf16 or fp8)"; exit 2 ;;
     esac
-    (cd bench && python3 -u bench_concurrency.py --start --device cuda --dtype bfloat16 \
-        --random-8b --draft-kind replay --replay-corrupt-rate 0.18 --replay-cost-head \
-        "${extra[@]}" --prompts heldout --max-new-tokens 48 --max-context 256 \
+    (cd bench && python3 -u bench_concurrency.py "${COSTHEAD_8B[@]}" "${extra[@]}" \
         --concurrency 1,2 --modes OFF,ON --repeats 3 --min-run-s 4 --machine "one $gpu" \
-        --feature-memory-mb 256 --new-tokens-spread 0.5 \
         --out-json "$OUT/conc_8b_costhead_$quant.json") > "$OUT/conc_8b_costhead_$quant.log" 2>&1
     status=$?
     tail -8 "$OUT/conc_8b_costhead_$quant.log"

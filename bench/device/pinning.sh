@@ -46,11 +46,8 @@ run() {  # run <way> <round>: one costhead.sh command, its output lines stamped 
         pin_when_up &
         watcher=$!
     fi
-    (cd bench && "${prefix[@]}" python3 -u bench_concurrency.py --start --device cuda \
-        --dtype bfloat16 --random-8b --draft-kind replay --replay-corrupt-rate 0.18 \
-        --replay-cost-head --prompts heldout --max-new-tokens 48 --max-context 256 \
+    (cd bench && "${prefix[@]}" python3 -u bench_concurrency.py "${COSTHEAD_8B[@]}" \
         --concurrency 1,2 --modes OFF,ON --repeats 3 --min-run-s 4 --machine "one $gpu" \
-        --feature-memory-mb 256 --new-tokens-spread 0.5 \
         --out-json "$OUT/conc_8b_pin_${way}_$round.json") 2>&1 \
         | while IFS= read -r line; do printf '%s %s\n' "$(date +%s.%N)" "$line"; done \
         > "$OUT/conc_8b_pin_${way}_$round.log"

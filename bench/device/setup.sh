@@ -23,6 +23,15 @@ if [ "${SPLITSPEC_DEVICE_SETUP:-}" != "$PWD" ]; then
     export SPLITSPEC_DEVICE_SETUP="$PWD"
 fi
 
+# bench_concurrency.py's flags for the 8B shape with RANDOM weights and the replay draft at
+# the trained pair's acceptance (corrupt 0.18) carrying an EAGLE-3 head of the 8B shape as
+# its cost (forty-eighth to fifty-third parts of docs/benchmarks.md), ragged lengths: what
+# costhead.sh, pinning.sh and sweep_8b.sh run, each adding its concurrencies, modes, rounds
+# and --machine. (Set on every source, as the helpers below are: an array is not exported.)
+COSTHEAD_8B=(--start --device cuda --dtype bfloat16 --random-8b --draft-kind replay
+    --replay-corrupt-rate 0.18 --replay-cost-head --prompts heldout --max-new-tokens 48
+    --max-context 256 --feature-memory-mb 256 --new-tokens-spread 0.5)
+
 save_kernel_cache() {  # (written aside, then renamed: a call that runs out of time while it
     # compresses leaves no truncated archive to be carried into the next call)
     tar -cJf "$OUT/fiws.txz.part" --exclude='*.o' --exclude='*.cuda.o' -C .fiws . \

@@ -19,11 +19,8 @@ repeats=${REPEATS:-6}
 source bench/device/setup.sh
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 name="conc_8b_sweep_${conc//,/_}"
-(cd bench && python3 -u bench_concurrency.py --start --device cuda --dtype bfloat16 \
-    --random-8b --draft-kind replay --replay-corrupt-rate 0.18 --replay-cost-head \
-    --prompts heldout --max-new-tokens 48 --max-context 256 --concurrency "$conc" \
-    --modes OFF,ON,adaptive --repeats "$repeats" --min-run-s 3 --machine "one $gpu" \
-    --feature-memory-mb 256 --new-tokens-spread 0.5 "$@" \
+(cd bench && python3 -u bench_concurrency.py "${COSTHEAD_8B[@]}" --concurrency "$conc" \
+    --modes OFF,ON,adaptive --repeats "$repeats" --min-run-s 3 --machine "one $gpu" "$@" \
     --out-json "$OUT/$name.json") > "$OUT/$name.log" 2>&1
 status=$?
 tail -30 "$OUT/$name.log"
