@@ -85,16 +85,16 @@ def read_spec(model_dir: Path, kind: str, target_dir: Path | None) -> DraftSpec:
                          f"or {detected}")
     target_layers = 0
     if target_dir is not None:
-        target_layers = LlamaConfig.from_hf(read_hf_config(target_dir)).num_layers
+        target_layers = LlamaConfig.read(target_dir).num_layers
     sha = ""
     for folder in (model_dir, target_dir):
         if folder is not None and (folder / TOKENIZER_FILE).is_file():
             sha = tokenizer_sha256(folder)
             break
     if detected == STANDALONE:
-        llama = LlamaConfig.from_hf(hf)
+        llama = LlamaConfig.from_hf(hf, str(model_dir / "config.json"))
         return DraftSpec(STANDALONE, model_dir, target_dir, llama.vocab_size, 0, (), target_layers, sha)
-    eagle = Eagle3Config.from_hf(hf)
+    eagle = Eagle3Config.from_hf(hf, str(model_dir / "config.json"))
     aux: tuple[int, ...] = ()
     if eagle.explicit_aux_ids is not None:
         # Explicit ids name layer outputs: id i is the input of layer i + 1 (Eagle3Config's convention).

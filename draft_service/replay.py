@@ -79,7 +79,7 @@ from draft_service.drafter import (
 )
 from draft_service.models import EAGLE3, REPLAY, DraftSpec, eagle3_entries, read_spec
 from draft_service.tree_search import WireFeatures
-from splitspec.model.config import LlamaConfig, read_hf_config
+from splitspec.model.config import LlamaConfig
 from splitspec.replay import ReplayRecord
 from splitspec.staging import reuse
 from splitspec.tokenizer import TOKENIZER_FILE, tokenizer_sha256
@@ -103,7 +103,7 @@ def read_replay_spec(records: Path, corrupt_rate: float, target_dir: Path,
     target's hidden size, whose default three layer inputs it then asks for. With
     ``cost_model`` (its spec in ``cost``), an EAGLE-3 head's features instead: the head's
     hidden size and layers."""
-    target = LlamaConfig.from_hf(read_hf_config(target_dir))
+    target = LlamaConfig.read(target_dir)
     sha = tokenizer_sha256(target_dir) if (target_dir / TOKENIZER_FILE).is_file() else ""
     hidden, aux, cost = target.hidden_size if features else 0, (), None
     if cost_model is not None:

@@ -43,7 +43,7 @@ from splitspec.cuda_graphs import PROMPT_BUCKETS, StepGraphs, buckets_up_to
 from splitspec.grpc_server import ServiceServer
 from splitspec.init_report import Detailed, InitFailed, InitReport, Startup, fail_startup
 from splitspec.kv_cache import KVCache, PagePool, memory_shortfall
-from splitspec.model.config import LlamaConfig, read_hf_config
+from splitspec.model.config import LlamaConfig
 from splitspec.model.llama import LlamaForCausalLM
 from splitspec.model.loader import check_device, load_llama, parse_dtype, use_cpu_threads
 from splitspec.model.parallel import SINGLE, TPGroup, layout, tp_error
@@ -107,7 +107,7 @@ class TP(NamedTuple):
 
 
 def load_config(cfg: TargetConfig, where: Placement = ONE_RANK) -> Detailed:
-    model_cfg = LlamaConfig.from_hf(read_hf_config(cfg.model))
+    model_cfg = LlamaConfig.read(cfg.model)
     parse_dtype(cfg.dtype)
     problem = tp_error(model_cfg, where.size)
     if problem:

@@ -164,6 +164,23 @@ def test_a_feature_memory_dir_that_is_not_there_fails_load_config(draft, tmp_pat
         failed[0]["error_message"]
 
 
+def test_a_checkpoint_config_without_its_shape_fails_load_config_naming_the_file(tmp_path):
+    """The target's and the draft's first step name the checkpoint's config.json and the
+    keys it lacks, not a bare KeyError."""
+    from draft_service.config import DraftConfig
+    from draft_service.startup import load_config as load_draft_config
+    from target_service.config import TargetConfig
+    from target_service.startup import load_config as load_target_config
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    lacks = f"{config} lacks vocab_size, intermediate_size, num_hidden_layers, num_attention_heads"
+    with pytest.raises(ValueError, match=lacks):
+        load_target_config(TargetConfig(model=tmp_path))
+    with pytest.raises(ValueError, match=lacks):
+        load_draft_config(DraftConfig(model=tmp_path))
+
+
 def test_a_profile_out_in_a_missing_directory_fails_load_config(tmp_path):
     """Found out in the first step, not when the target stops and writes the profile."""
     from target_service.config import TargetConfig

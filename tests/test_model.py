@@ -208,6 +208,44 @@ def test_unsupported_configs_are_refused_with_a_reason():
         LlamaConfig.from_hf({"model_type": "mistral"})
 
 
+def test_a_config_without_a_shape_or_with_a_wrong_one_is_refused_naming_the_file(tmp_path):
+    """A config.json that lacks a shape key, gives one that is not a positive whole number,
+    or gives heads that do not divide, is refused with the file and the key named (not a
+    bare KeyError from deep in the loader)."""
+    import json
+
+    shape = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+             "num_hidden_layers": 2, "num_attention_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match=r"config.json lacks vocab_size, hidden_size, "
+                                         r"intermediate_size, num_hidden_layers, num_attention_heads"):
+        LlamaConfig.read(tmp_path)
+    assert str(tmp_path) in str(pytest.raises(ValueError, LlamaConfig.read, tmp_path).value)
+    for key, value in (("hidden_size", "8"), ("num_hidden_layers", 0), ("vocab_size", 2.5),
+                       ("intermediate_size", True), ("num_key_value_heads", -1)):
+        with pytest.raises(ValueError, match=f"{key} must be a positive whole number, not "):
+            LlamaConfig.from_hf({**shape, key: value})
+    with pytest.raises(ValueError, match="num_attention_heads 2 is not a multiple of "
+                                         "num_key_value_heads 3"):
+        LlamaConfig.from_hf({**shape, "num_key_value_heads": 3})
+    with pytest.raises(ValueError, match="hidden_size 8 is not a multiple of num_attention_heads 3"):
+        LlamaConfig.from_hf({**shape, "num_attention_heads": 3})
+    cfg = LlamaConfig.from_hf({**shape, "num_attention_heads": 3, "head_dim": 4,
+                               "num_hidden_layers": 2.0})  # (JSON may write 2 as 2.0)
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers) == (3, 3, 4, 2)
+    (tmp_path / "config.json").write_text('{"model_type": "llama",')
+    with pytest.raises(ValueError, match=r"config.json is not valid JSON: Expecting"):
+        LlamaConfig.read(tmp_path)
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config.json holds a JSON list, not an object"):
+        LlamaConfig.read(tmp_path)
+    head = {**shape, "num_hidden_layers": 1, "architectures": ["LlamaForCausalLMEagle3"]}
+    del head["intermediate_size"]
+    (tmp_path / "config.json").write_text(json.dumps(head))
+    with pytest.raises(ValueError, match=r"config.json lacks intermediate_size: a Llama config"):
+        Eagle3Config.read(tmp_path)
+
+
 def test_a_checkpoint_path_that_is_not_a_folder_is_said_so(tmp_path):
     """A mistyped --model is named as not a folder; a folder without config.json as that."""
     from splitspec.model.config import read_hf_config

@@ -58,31 +58,66 @@ class LlamaConfig:
     eos_token_ids: tuple[int, ...]
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> LlamaConfig:
+        """From a parsed config.json; ``source`` (the file) names it in the errors."""
         if cfg.get("model_type", "llama") != "llama":
             raise ValueError(f"model_type {cfg.get('model_type')!r} is not a Llama architecture")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
         if cfg.get("attention_bias") or cfg.get("mlp_bias"):
             raise ValueError("attention_bias / mlp_bias checkpoints are not supported")
-        heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
+        missing = [key for key in LLAMA_SHAPE_KEYS if cfg.get(key) is None]
+        if missing:
+            raise ValueError(f"{source} lacks {', '.join(missing)}: a Llama config gives "
+                             f"{', '.join(LLAMA_SHAPE_KEYS)}")
+        count = {key: _count(cfg, key, source) for key in LLAMA_SHAPE_KEYS}
+        heads, hidden = count["num_attention_heads"], count["hidden_size"]
+        kv_heads = _count(cfg, "num_key_value_heads", source) if cfg.get("num_key_value_heads") else heads
+        if heads % kv_heads:
+            raise ValueError(f"{source}: num_attention_heads {heads} is not a multiple of "
+                             f"num_key_value_heads {kv_heads}")
+        if cfg.get("head_dim"):
+            head_dim = _count(cfg, "head_dim", source)
+        elif hidden % heads:
+            raise ValueError(f"{source}: hidden_size {hidden} is not a multiple of "
+                             f"num_attention_heads {heads}, and no head_dim is given")
+        else:
+            head_dim = hidden // heads
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         return cls(
-            vocab_size=int(cfg["vocab_size"]),
+            vocab_size=count["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=count["intermediate_size"],
+            num_layers=count["num_hidden_layers"],
             num_heads=heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=RopeConfig.from_hf(cfg),
             max_position=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             eos_token_ids=eos_ids,
         )
+
+    @classmethod
+    def read(cls, model_dir: Path) -> LlamaConfig:
+        """The config of the checkpoint folder ``model_dir``."""
+        return cls.from_hf(read_hf_config(model_dir), str(Path(model_dir) / "config.json"))
+
+
+# what a Llama config.json must give (the rest have defaults)
+LLAMA_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads")
+
+
+def _count(cfg: dict[str, Any], key: str, source: str) -> int:
+    """``cfg[key]`` as a positive whole number (JSON may write 4096 as 4096.0)."""
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 1 \
+            or value != int(value):
+        raise ValueError(f"{source}: {key} must be a positive whole number, not {value!r}")
+    return int(value)
 
 
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -92,7 +127,13 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
                                 f"config.json")
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a checkpoint folder needs config.json")
-    return json.loads(path.read_text())
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:  # (re-raised with the file's name)
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} holds a JSON {type(cfg).__name__}, not an object")
+    return cfg
 
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -115,14 +156,16 @@ class Eagle3Config:
     explicit_aux_ids: tuple[int, ...] | None
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> Eagle3Config:
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> Eagle3Config:
+        """From a parsed config.json; ``source`` (the file) names it in the errors."""
         archs = cfg.get("architectures") or []
         if not any(a in EAGLE3_ARCHITECTURES for a in archs):
-            raise ValueError(f"architectures {archs} is not an EAGLE-3 head "
+            raise ValueError(f"{source}: architectures {archs} is not an EAGLE-3 head "
                              f"(expected one of {EAGLE3_ARCHITECTURES})")
-        layer = LlamaConfig.from_hf(cfg)
+        layer = LlamaConfig.from_hf(cfg, source)
         if layer.num_layers != 1:
-            raise ValueError(f"EAGLE-3 head has num_hidden_layers={layer.num_layers}; only 1 is supported")
+            raise ValueError(f"{source}: EAGLE-3 head has num_hidden_layers={layer.num_layers}; "
+                             f"only 1 is supported")
         eagle = cfg.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids")
         return cls(
@@ -131,6 +174,11 @@ class Eagle3Config:
             target_hidden_size=int(cfg.get("target_hidden_size") or layer.hidden_size),
             explicit_aux_ids=tuple(int(i) for i in ids) if ids else None,
         )
+
+    @classmethod
+    def read(cls, model_dir: Path) -> Eagle3Config:
+        """The config of the head's checkpoint folder ``model_dir``."""
+        return cls.from_hf(read_hf_config(model_dir), str(Path(model_dir) / "config.json"))
 
     def aux_layer_inputs(self, target_num_layers: int) -> tuple[int, ...]:
         """The target layers whose inputs are captured (index N = the final pre-norm output)."""

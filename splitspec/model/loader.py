@@ -12,7 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from splitspec.kernels import HAS_TRITON
-from splitspec.model.config import Eagle3Config, LlamaConfig, read_hf_config
+from splitspec.model.config import Eagle3Config, LlamaConfig
 from splitspec.model.eagle3 import Eagle3Head
 from splitspec.model.layers import (
     LlamaAttention,
@@ -140,7 +140,7 @@ def _load_into(module: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], m
 def load_llama(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
                tp: TPGroup = SINGLE) -> LlamaForCausalLM:
     """The model, or with tp > 1 this rank's shard of it (only the shard is read)."""
-    cfg = LlamaConfig.from_hf(read_hf_config(model_dir))
+    cfg = LlamaConfig.read(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, tp)
     model = allocate(model, dtype, device)
@@ -156,7 +156,7 @@ def load_llama(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
 def load_eagle3(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
                 target_embedding: torch.Tensor | None = None) -> Eagle3Head:
     """Load an EAGLE-3 head; a head without embed_tokens needs target_embedding."""
-    cfg = Eagle3Config.from_hf(read_hf_config(model_dir))
+    cfg = Eagle3Config.read(model_dir)
     with torch.device("meta"):
         head = Eagle3Head(cfg)
     head = allocate(head, dtype, device)
