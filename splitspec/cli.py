@@ -227,6 +227,9 @@ def stack_specs(args: argparse.Namespace) -> list[ChildSpec]:
         draft_argv = [python, "-m", "draft_service", "--port", str(args.draft_port), *placed]
         if args.draft_model or args.draft_kind != "eagle3":
             draft_argv += ["--model", str(draft_model)]
+        if args.draft_model and args.target_model:  # (a built-in draft keeps its own target)
+            # the target's layer count and tokenizer, and a head's embedding where it has none
+            draft_argv += ["--target-model", str(args.target_model)]
         if args.draft_quantize != "none":
             draft_argv += ["--quantize", args.draft_quantize]
         specs.append(ChildSpec("draft", tuple(draft_argv + args.draft_flag)))
@@ -362,7 +365,28 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise StopRequested(signal.Signals(signum).name)
 
 
+def builtin_draft_misfit(args: argparse.Namespace) -> str:
+    """Why the built-in draft cannot serve ``--target-model`` (its tokenizer is not the
+    built-in target's, which the draft was trained on), or "" when it can or is not used.
+    Said before anything starts; the target's connect_draft would refuse the pair anyway."""
+    from splitspec.tokenizer import TOKENIZER_FILE, tokenizer_sha256
+
+    target = args.target_model
+    if (target is None or args.draft_model is not None or args.draft_kind == "none"
+            or not (Path(target) / TOKENIZER_FILE).is_file()
+            or tokenizer_sha256(target) == tokenizer_sha256(BUILTIN_TARGET)):
+        return ""
+    return (f"--target-model {target} has a tokenizer of its own, and the built-in "
+            f"{args.draft_kind} draft fits only the built-in target: pass --draft-model <a draft "
+            f"for {target}> (`splitspec train-draft` trains an EAGLE-3 head for it), or "
+            f"--draft-kind none")
+
+
 def cmd_up(args: argparse.Namespace) -> int:
+    misfit = builtin_draft_misfit(args)
+    if misfit:
+        print(f"splitspec up: {misfit}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
     children: list[Child] = []

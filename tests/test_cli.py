@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from splitspec.builtin import BUILTIN_DRAFT
+from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_TARGET
 from splitspec.cli import (
     CompletionRequest,
     build_parser,
+    builtin_draft_misfit,
+    cmd_up,
     format_final,
     format_report,
     main,
@@ -50,6 +52,42 @@ def test_up_no_draft_and_model_overrides(tmp_path: Path) -> None:
     assert "--draft" not in specs["target"]
     assert specs["target"][-2:] == ["--model", str(tmp_path)]
     assert specs["gateway"][-2:] == ["--model", str(tmp_path)]
+
+
+def test_up_gives_the_draft_the_target_when_both_are_the_users(tmp_path: Path) -> None:
+    """A head without embed_tokens reads the target's, and the draft learns the target's
+    layer count and tokenizer, from its --target-model; a built-in draft keeps its own."""
+    target, head = tmp_path / "target", tmp_path / "head"
+    specs = _specs("--target-model", str(target), "--draft-model", str(head))
+    assert specs["draft"][-4:] == ["--model", str(head), "--target-model", str(target)]
+    for flags in (["--target-model", str(target)], ["--draft-model", str(head)]):
+        assert "--target-model" not in _specs(*flags)["draft"]
+
+
+def test_up_refuses_a_target_of_its_own_tokenizer_with_the_built_in_draft(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Said before anything starts, naming the way out, rather than by the target's
+    connect_draft after the models load."""
+    import shutil
+
+    ours = tmp_path / "ours"
+    ours.mkdir()
+    shutil.copy(BUILTIN_TARGET / "tokenizer.json", ours / "tokenizer.json")
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "tokenizer.json").write_text('{"model": {}}')
+    parse = build_parser().parse_args
+    assert builtin_draft_misfit(parse(["up", "--target-model", str(ours)])) == ""
+    for fits in (["--draft-kind", "none"], ["--draft-model", str(ours)]):
+        assert builtin_draft_misfit(parse(["up", "--target-model", str(theirs), *fits])) == ""
+    for kind in ("eagle3", "standalone"):
+        args = parse(["up", "--target-model", str(theirs), "--draft-kind", kind])
+        assert cmd_up(args) == 2
+        assert capsys.readouterr().err == (
+            f"splitspec up: --target-model {theirs} has a tokenizer of its own, and the built-in "
+            f"{kind} draft fits only the built-in target: pass --draft-model <a draft for "
+            f"{theirs}> (`splitspec train-draft` trains an EAGLE-3 head for it), or "
+            f"--draft-kind none\n")
 
 
 def test_up_uses_this_python() -> None:
