@@ -104,3 +104,29 @@ def test_up_passes_each_service_its_flags_and_stops_when_one_refuses_them():
     assert done.returncode == 1
     assert "unrecognized arguments: --no-such-flag" in done.stderr
     assert "the target service exited with code 2" in done.stderr
+
+
+def test_up_serves_your_target_with_a_head_that_has_no_embedding_of_its_own(tmp_path):
+    """A published EAGLE-3 head carries no embed_tokens: the draft reads the target's, from
+    the --target-model that ``up`` hands it beside --draft-model (it failed at load_model,
+    asking for that flag, when ``up`` did not)."""
+    from safetensors.torch import load_file, save_file
+
+    from splitspec.builtin import BUILTIN_EAGLE3, BUILTIN_TARGET
+
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text((BUILTIN_EAGLE3 / "config.json").read_text())
+    tensors = load_file(BUILTIN_EAGLE3 / "model.safetensors")
+    del tensors["embed_tokens.weight"]
+    save_file(tensors, head / "model.safetensors")
+    argv, _ = up("--target-model", str(BUILTIN_TARGET), "--draft-model", str(head),
+                 "--generate", "def add(a, b):", "--max-new-tokens", "16", "--speculation", "on")
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"--model {head} --target-model {BUILTIN_TARGET}" in done.stderr
+    assert done.stdout.strip(), done.stderr[-3000:]
+    # the head drafts with the target's embedding, which is its own: trees are accepted
+    accepted = re.search(r"speculation: \d+ verify steps, \d+ drafted, (\d+) accepted", done.stderr)
+    assert accepted and int(accepted.group(1)) > 0, done.stderr[-3000:]
