@@ -483,6 +483,8 @@ def train_draft(args: argparse.Namespace) -> int:
     print(f"wrote an EAGLE-3 head to {result.out_dir} (final loss {result.final_loss:.3f}, "
           f"top-1 agreement with the target by step: {accuracy})\n"
           f"serve it with SplitSpec:\n"
+          f"  splitspec up --target-model {target} --draft-model {result.out_dir}\n"
+          f"or service by service:\n"
           f"  python -m draft_service --model {result.out_dir} --target-model {target}\n"
           f"  python -m target_service --model {target} --draft localhost:50053\n"
           f"or with SGLang / vLLM (the same folder):\n"

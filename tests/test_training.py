@@ -281,6 +281,7 @@ def test_train_draft_end_to_end_and_the_draft_service_loads_the_head(tmp_path, t
          "--block-len", "64", "--draft-vocab-size", "256", "--device", "cpu"],
         cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+    assert f"splitspec up --target-model {tiny_target} --draft-model {out}\n" in done.stdout
     assert f"python -m draft_service --model {out} --target-model {tiny_target}" in done.stdout
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"]
