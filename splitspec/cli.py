@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -458,7 +457,13 @@ def train_draft(args: argparse.Namespace) -> int:
             check_device(args.device)
         except ValueError as exc:  # before the corpus is read: the command's failure
             raise TrainDraftError(str(exc)) from exc
-    config = json.loads((target / "config.json").read_text(encoding="utf-8"))
+    from splitspec.model.config import LlamaConfig, read_hf_config
+
+    try:
+        LlamaConfig.read(target)
+    except ValueError as exc:  # before the corpus is read: the command's failure
+        raise TrainDraftError(f"--target {target}: {exc}") from exc
+    config = read_hf_config(target)
     eos_id = eos_id_of(config, target)
     try:
         corpus = data.collect_corpus([data.folder_source(corpus_dir)], args.max_corpus_bytes)

@@ -268,6 +268,13 @@ def test_train_draft_refuses_bad_inputs_clearly(tmp_path, tiny_target, corpus_di
         assert cli.main([*base, "--target", str(tiny_target), "--corpus", str(corpus_dir),
                          "--device", "cuda"]) == 2
         assert "--device cuda: torch" in capsys.readouterr().err
+    shapeless = tmp_path / "shapeless"  # a config.json without the model's shape
+    shapeless.mkdir()
+    (shapeless / "config.json").write_text('{"model_type": "llama", "eos_token_id": 0}')
+    (shapeless / "tokenizer.json").write_text((tiny_target / "tokenizer.json").read_text())
+    assert cli.main([*base, "--target", str(shapeless), "--corpus", str(corpus_dir)]) == 2
+    assert f"--target {shapeless}: {shapeless}/config.json lacks vocab_size, hidden_size" in \
+        capsys.readouterr().err
     assert not (tmp_path / "head").exists()
 
 
