@@ -364,15 +364,24 @@ def _raise_stop(signum: int, frame: FrameType | None) -> None:
     raise StopRequested(signal.Signals(signum).name)
 
 
-def builtin_draft_misfit(args: argparse.Namespace) -> str:
-    """Why the built-in draft cannot serve ``--target-model`` (its tokenizer is not the
-    built-in target's, which the draft was trained on), or "" when it can or is not used.
-    Said before anything starts; the target's connect_draft would refuse the pair anyway."""
+def up_input_error(args: argparse.Namespace) -> str:
+    """What is wrong with ``up``'s checkpoint folders, in its own flags' names, or "".
+    Said before anything starts (the services would refuse the same, naming theirs):
+    a --target-model that is not a checkpoint with a tokenizer, a --draft-model that is
+    not a checkpoint, or a target whose tokenizer the built-in draft was not trained on."""
     from splitspec.tokenizer import TOKENIZER_FILE, tokenizer_sha256
 
     target = args.target_model
+    needs = {"--target-model": ("config.json", TOKENIZER_FILE), "--draft-model": ("config.json",)}
+    for flag, folder in (("--target-model", target), ("--draft-model", args.draft_model)):
+        if folder is None or (flag == "--draft-model" and args.draft_kind == "none"):
+            continue
+        if not Path(folder).is_dir():
+            return f"{flag} {folder} is not a folder"
+        lacking = [name for name in needs[flag] if not (Path(folder) / name).is_file()]
+        if lacking:
+            return f"{flag} {folder} is not a checkpoint folder: it has no {', '.join(lacking)}"
     if (target is None or args.draft_model is not None or args.draft_kind == "none"
-            or not (Path(target) / TOKENIZER_FILE).is_file()
             or tokenizer_sha256(target) == tokenizer_sha256(BUILTIN_TARGET)):
         return ""
     return (f"--target-model {target} has a tokenizer of its own, and the built-in "
@@ -382,9 +391,9 @@ def builtin_draft_misfit(args: argparse.Namespace) -> str:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    misfit = builtin_draft_misfit(args)
-    if misfit:
-        print(f"splitspec up: {misfit}", file=sys.stderr)
+    problem = up_input_error(args)
+    if problem:
+        print(f"splitspec up: {problem}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)

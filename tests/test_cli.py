@@ -12,12 +12,12 @@ from splitspec.builtin import BUILTIN_DRAFT, BUILTIN_TARGET
 from splitspec.cli import (
     CompletionRequest,
     build_parser,
-    builtin_draft_misfit,
     cmd_up,
     format_final,
     format_report,
     main,
     stack_specs,
+    up_input_error,
 )
 from splitspec.init_report import InitReport, StepRecord, StepState
 from splitspec.v1 import common_pb2, gateway_pb2
@@ -64,30 +64,39 @@ def test_up_gives_the_draft_the_target_when_both_are_the_users(tmp_path: Path) -
         assert "--target-model" not in _specs(*flags)["draft"]
 
 
-def test_up_refuses_a_target_of_its_own_tokenizer_with_the_built_in_draft(
+def test_up_refuses_checkpoint_folders_that_cannot_work_before_it_starts_anything(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """Said before anything starts, naming the way out, rather than by the target's
-    connect_draft after the models load."""
+    """Named by up's own flags, with the way out, rather than by a service's init step
+    (in that service's flag names) after the others load their models."""
     import shutil
 
-    ours = tmp_path / "ours"
-    ours.mkdir()
+    ours, theirs, head = tmp_path / "ours", tmp_path / "theirs", tmp_path / "head"
+    for folder in (ours, theirs, head):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
     shutil.copy(BUILTIN_TARGET / "tokenizer.json", ours / "tokenizer.json")
-    theirs = tmp_path / "theirs"
-    theirs.mkdir()
     (theirs / "tokenizer.json").write_text('{"model": {}}')
     parse = build_parser().parse_args
-    assert builtin_draft_misfit(parse(["up", "--target-model", str(ours)])) == ""
-    for fits in (["--draft-kind", "none"], ["--draft-model", str(ours)]):
-        assert builtin_draft_misfit(parse(["up", "--target-model", str(theirs), *fits])) == ""
+    for fits in (["--target-model", str(ours)], ["--draft-model", str(head)],
+                 ["--target-model", str(theirs), "--draft-kind", "none"],
+                 ["--target-model", str(theirs), "--draft-model", str(head)],
+                 ["--draft-kind", "none", "--draft-model", str(tmp_path / "unused")]):
+        assert up_input_error(parse(["up", *fits])) == "", fits
+    refused = {
+        f"--target-model {tmp_path / 'no'} is not a folder": ["--target-model", str(tmp_path / "no")],
+        f"--target-model {head} is not a checkpoint folder: it has no tokenizer.json":
+            ["--target-model", str(head)],
+        f"--draft-model {tmp_path} is not a checkpoint folder: it has no config.json":
+            ["--draft-model", str(tmp_path)],
+    }
     for kind in ("eagle3", "standalone"):
-        args = parse(["up", "--target-model", str(theirs), "--draft-kind", kind])
-        assert cmd_up(args) == 2
-        assert capsys.readouterr().err == (
-            f"splitspec up: --target-model {theirs} has a tokenizer of its own, and the built-in "
-            f"{kind} draft fits only the built-in target: pass --draft-model <a draft for "
-            f"{theirs}> (`splitspec train-draft` trains an EAGLE-3 head for it), or "
-            f"--draft-kind none\n")
+        refused[f"--target-model {theirs} has a tokenizer of its own, and the built-in {kind} "
+                f"draft fits only the built-in target: pass --draft-model <a draft for {theirs}> "
+                f"(`splitspec train-draft` trains an EAGLE-3 head for it), or --draft-kind none"] = \
+            ["--target-model", str(theirs), "--draft-kind", kind]
+    for message, flags in refused.items():
+        assert cmd_up(parse(["up", *flags])) == 2
+        assert capsys.readouterr().err == f"splitspec up: {message}\n"
 
 
 def test_up_uses_this_python() -> None:
