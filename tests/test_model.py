@@ -1,5 +1,7 @@
 """Our Llama implementation against transformers' (the oracle), through the paged cache."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM as HFLlama
@@ -244,6 +246,41 @@ def test_a_config_without_a_shape_or_with_a_wrong_one_is_refused_naming_the_file
     (tmp_path / "config.json").write_text(json.dumps(head))
     with pytest.raises(ValueError, match=r"config.json lacks intermediate_size: a Llama config"):
         Eagle3Config.read(tmp_path)
+
+
+def test_a_head_whose_vocabulary_map_is_missing_or_out_of_range_is_refused(tmp_path):
+    """A head drafting from fewer ids than the target's, without d2t, would propose the
+    first ids of the target's vocabulary; one whose d2t maps past the vocabulary would have
+    its trees rejected by the target. Both are load errors; a missing t2d (read only by
+    training) is rebuilt."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from splitspec.builtin import BUILTIN_EAGLE3
+    from splitspec.model.loader import load_eagle3
+
+    tensors = load_file(BUILTIN_EAGLE3 / "model.safetensors")
+    assert tensors["d2t"].numel() < tensors["t2d"].numel()  # a draft vocabulary of its own
+
+    def head_with(name: str, **changes: torch.Tensor | None) -> Path:
+        folder = tmp_path / name
+        folder.mkdir()
+        shutil.copy(BUILTIN_EAGLE3 / "config.json", folder / "config.json")
+        kept = {k: changes.get(k, v) for k, v in tensors.items()}
+        save_file({k: v for k, v in kept.items() if v is not None}, folder / "model.safetensors")
+        return folder
+
+    with pytest.raises(ValueError, match=r"drafts from 1024 ids \(draft_vocab_size\) of the "
+                                         r"target's 2048 but has no d2t tensor"):
+        load_eagle3(head_with("no_d2t", d2t=None), torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"d2t maps draft ids to target ids \d+..2048, outside "
+                                         r"the target's vocabulary of 2048"):
+        far = tensors["d2t"].clone()
+        far[-1] = 2048 - (far.numel() - 1)
+        load_eagle3(head_with("far", d2t=far), torch.float32, "cpu")
+    rebuilt = load_eagle3(head_with("no_t2d", t2d=None), torch.float32, "cpu")
+    assert torch.equal(rebuilt.t2d, tensors["t2d"].bool())
 
 
 def test_a_checkpoint_path_that_is_not_a_folder_is_said_so(tmp_path):

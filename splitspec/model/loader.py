@@ -175,9 +175,21 @@ def load_eagle3(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
             yield "embed_tokens.weight", target_embedding
 
     loaded = _load_into(head, renamed(), model_dir, optional={"d2t", "t2d"})
+    vocab, draft_vocab = cfg.layer.vocab_size, cfg.draft_vocab_size
     if "d2t" not in loaded:  # draft vocabulary == target vocabulary
+        if draft_vocab != vocab:
+            raise ValueError(f"{model_dir} drafts from {draft_vocab} ids (draft_vocab_size) of "
+                             f"the target's {vocab} but has no d2t tensor to map them to "
+                             f"target ids")
         head.d2t.zero_()
-        head.t2d.fill_(True)
+    targets = torch.arange(draft_vocab, device=head.d2t.device) + head.d2t
+    if draft_vocab and not (int(targets.min()) >= 0 and int(targets.max()) < vocab):
+        raise ValueError(f"{model_dir}: d2t maps draft ids to target ids "
+                         f"{int(targets.min())}..{int(targets.max())}, outside the target's "
+                         f"vocabulary of {vocab}")
+    if "t2d" not in loaded:  # (only training reads it) the draft ids' target ids
+        head.t2d.zero_()
+        head.t2d[targets] = True
     return finish(head, dtype, device)
 
 
