@@ -226,9 +226,9 @@ def stack_specs(args: argparse.Namespace) -> list[ChildSpec]:
         draft_argv = [python, "-m", "draft_service", "--port", str(args.draft_port), *placed]
         if args.draft_model or args.draft_kind != "eagle3":
             draft_argv += ["--model", str(draft_model)]
-        if args.draft_model and args.target_model:  # (a built-in draft keeps its own target)
+        if args.draft_model:  # (a built-in draft knows its target: the built-in one)
             # the target's layer count and tokenizer, and a head's embedding where it has none
-            draft_argv += ["--target-model", str(args.target_model)]
+            draft_argv += ["--target-model", str(args.target_model or BUILTIN_TARGET)]
         if args.draft_quantize != "none":
             draft_argv += ["--quantize", args.draft_quantize]
         specs.append(ChildSpec("draft", tuple(draft_argv + args.draft_flag)))

@@ -54,14 +54,18 @@ def test_up_no_draft_and_model_overrides(tmp_path: Path) -> None:
     assert specs["gateway"][-2:] == ["--model", str(tmp_path)]
 
 
-def test_up_gives_the_draft_the_target_when_both_are_the_users(tmp_path: Path) -> None:
+def test_up_gives_a_users_draft_the_target(tmp_path: Path) -> None:
     """A head without embed_tokens reads the target's, and the draft learns the target's
-    layer count and tokenizer, from its --target-model; a built-in draft keeps its own."""
+    layer count and tokenizer, from its --target-model (the built-in target's when only the
+    draft is the user's); a built-in draft keeps its own."""
     target, head = tmp_path / "target", tmp_path / "head"
     specs = _specs("--target-model", str(target), "--draft-model", str(head))
     assert specs["draft"][-4:] == ["--model", str(head), "--target-model", str(target)]
-    for flags in (["--target-model", str(target)], ["--draft-model", str(head)]):
-        assert "--target-model" not in _specs(*flags)["draft"]
+    specs = _specs("--draft-model", str(head))  # the user's draft for the built-in target
+    assert specs["draft"][-4:] == ["--model", str(head), "--target-model", str(BUILTIN_TARGET)]
+    for kind in ("eagle3", "standalone"):
+        assert "--target-model" not in _specs("--target-model", str(target), "--draft-kind",
+                                              kind)["draft"]
 
 
 def test_up_refuses_checkpoint_folders_that_cannot_work_before_it_starts_anything(
