@@ -31,7 +31,9 @@ def tokenizer_sha256(model_dir: Path) -> str:
 class ModelTokenizer:
     """A loaded ``tokenizer.json`` with where it came from and its fingerprint.
 
-    Encoding never adds special tokens; decoding skips them (EOS is not text).
+    Encoding adds the special tokens the tokenizer's own post-processor adds (a Llama
+    checkpoint's BOS, as Hugging Face's tokenizers, vLLM and SGLang do by default for a text
+    prompt; the built-in tokenizer adds none); decoding skips them (EOS is not text).
     Safe to share between threads.
     """
 
@@ -45,7 +47,7 @@ class ModelTokenizer:
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer.encode(text).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

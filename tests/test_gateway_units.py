@@ -57,6 +57,28 @@ def small_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ModelTokenizer:
 
 # --- tokenizer and incremental detokenization ---------------------------------------------
 
+def test_a_text_prompt_gets_the_bos_its_tokenizer_adds(tmp_path: Path,
+                                                      tokenizer: ModelTokenizer) -> None:
+    """A Llama checkpoint's tokenizer.json adds its BOS through a post-processor, and
+    the model expects it in front of a text prompt (Hugging Face, vLLM and SGLang add it
+    by default); the built-in tokenizer has none, so its prompts are unchanged."""
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    folder = _train_byte_level(tmp_path / "llama_like")
+    raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    raw.add_special_tokens(["<s>"])
+    bos = raw.token_to_id("<s>")
+    raw.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    raw.save(str(folder / "tokenizer.json"))
+    llama_like = load_tokenizer(folder)
+    ids = llama_like.encode("hello world")
+    assert ids[0] == bos and ids[1:] == raw.encode("hello world", add_special_tokens=False).ids
+    assert llama_like.decode(ids) == "hello world"
+    assert tokenizer.encode("def f(x):") == tokenizer.tokenizer.encode(
+        "def f(x):", add_special_tokens=False).ids
+
+
 def test_sha256_is_of_tokenizer_json(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_bytes(b"abc")
     assert tokenizer_sha256(tmp_path) == (
