@@ -77,7 +77,7 @@ class DraftSpec:
 
 def read_spec(model_dir: Path, kind: str, target_dir: Path | None) -> DraftSpec:
     """Resolve the kind ("auto" reads config.json) and the facts the target checks at connect."""
-    hf = read_hf_config(model_dir)
+    hf, source = read_hf_config(model_dir), str(model_dir / "config.json")
     detected = EAGLE3 if is_eagle3(hf) else STANDALONE
     if kind not in ("auto", detected):
         raise ValueError(f"--kind {kind} but {model_dir}/config.json describes a draft of kind "
@@ -92,9 +92,9 @@ def read_spec(model_dir: Path, kind: str, target_dir: Path | None) -> DraftSpec:
             sha = tokenizer_sha256(folder)
             break
     if detected == STANDALONE:
-        llama = LlamaConfig.from_hf(hf, str(model_dir / "config.json"))
+        llama = LlamaConfig.from_hf(hf, source)
         return DraftSpec(STANDALONE, model_dir, target_dir, llama.vocab_size, 0, (), target_layers, sha)
-    eagle = Eagle3Config.from_hf(hf, str(model_dir / "config.json"))
+    eagle = Eagle3Config.from_hf(hf, source)
     aux: tuple[int, ...] = ()
     if eagle.explicit_aux_ids is not None:
         # Explicit ids name layer outputs: id i is the input of layer i + 1 (Eagle3Config's convention).

@@ -469,10 +469,10 @@ def train_draft(args: argparse.Namespace) -> int:
     from splitspec.model.config import LlamaConfig, read_hf_config
 
     try:
-        LlamaConfig.read(target)
+        config = read_hf_config(target)
+        LlamaConfig.from_hf(config, str(target / "config.json"))
     except ValueError as exc:  # before the corpus is read: the command's failure
         raise TrainDraftError(f"--target {target}: {exc}") from exc
-    config = read_hf_config(target)
     eos_id = eos_id_of(config, target)
     try:
         corpus = data.collect_corpus([data.folder_source(corpus_dir)], args.max_corpus_bytes)
