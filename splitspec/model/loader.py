@@ -183,7 +183,7 @@ def load_eagle3(model_dir: Path, dtype: torch.dtype, device: str | torch.device,
                              f"target ids")
         head.d2t.zero_()
     targets = torch.arange(draft_vocab, device=head.d2t.device) + head.d2t
-    if draft_vocab and not (int(targets.min()) >= 0 and int(targets.max()) < vocab):
+    if not (int(targets.min()) >= 0 and int(targets.max()) < vocab):
         raise ValueError(f"{model_dir}: d2t maps draft ids to target ids "
                          f"{int(targets.min())}..{int(targets.max())}, outside the target's "
                          f"vocabulary of {vocab}")
