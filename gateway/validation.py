@@ -66,17 +66,22 @@ def validate(request: gateway_pb2.GenerateRequest, limits: Limits,
 
 
 def prompt_token_ids(request: gateway_pb2.GenerateRequest, tokenizer: ModelTokenizer) -> list[int]:
-    """The prompt as token ids: ``token_ids`` as given, or ``text`` tokenized (no special tokens)."""
+    """The prompt as token ids: ``token_ids`` as given, or ``text`` tokenized, with the
+    special tokens its tokenizer adds unless ``add_special_tokens`` is false."""
     which = request.WhichOneof("input")
     if which is None:
         raise invalid("the request has no input: set text or token_ids")
     if which == "token_ids":
+        if request.HasField("add_special_tokens"):
+            raise invalid("add_special_tokens applies to a text prompt; token_ids are used as "
+                          "given: leave it unset")
         if not request.token_ids.ids:
             raise invalid("token_ids is empty: give at least one prompt token")
         return list(request.token_ids.ids)
     if not request.text:
         raise invalid("text is empty: give a prompt")
-    ids = tokenizer.encode(request.text)
+    add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+    ids = tokenizer.encode(request.text, add_special_tokens=add_special)
     if not ids:
         raise invalid(f"text {request.text[:40]!r} tokenizes to no tokens: give a longer prompt")
     return ids

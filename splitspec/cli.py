@@ -56,12 +56,13 @@ class CompletionRequest:
     top_k: int = 0            # 0: off
     top_p: float = 0.0        # 0 or 1: off
     seed: int | None = None   # None: the target draws one
+    add_special_tokens: bool = True  # False: the text alone, as it holds its own BOS
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, text: str,
                   stop: Sequence[str] = ()) -> CompletionRequest:
         return cls(text, args.max_new_tokens, args.speculation, tuple(stop), args.temperature,
-                   args.top_k, args.top_p, args.seed)
+                   args.top_k, args.top_p, args.seed, args.add_special_tokens)
 
     def to_pb(self) -> gateway_pb2.GenerateRequest:
         request = gateway_pb2.GenerateRequest(text=self.text,
@@ -74,6 +75,8 @@ class CompletionRequest:
         request.sampling.top_p = self.top_p
         if self.seed is not None:
             request.sampling.seed = self.seed
+        if not self.add_special_tokens:
+            request.add_special_tokens = False
         return request
 
 
@@ -573,6 +576,13 @@ def _add_sampling_flags(parser: argparse.ArgumentParser, what: str) -> None:
                              "draws one)")
 
 
+def _add_prompt_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--no-special-tokens", dest="add_special_tokens", action="store_false",
+                        help=f"tokenize {what} alone, without the special tokens its tokenizer "
+                             "adds (a Llama checkpoint's BOS): for a prompt that already holds "
+                             "them")
+
+
 def _deadline(text: str) -> float | None:
     """A --timeout-s value: seconds, where 0 means no deadline."""
     try:
@@ -634,6 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
                     help="speculation mode for --generate")
     _add_sampling_flags(up, "--generate")
+    _add_prompt_flag(up, "--generate's TEXT")
     up.add_argument("--generate-timeout-s", type=_deadline, default=UP_GENERATE_TIMEOUT_S,
                     help="--generate's deadline, from SERVING to its last token: past it the "
                          "stack stops and the command exits 1; 0 = none")
@@ -651,6 +662,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--speculation", choices=SPECULATION_MODES, default="auto",
                      help="auto: the gateway's policy; on: always; off: never")
     _add_sampling_flags(gen, "the completion")
+    _add_prompt_flag(gen, "the prompt")
     gen.add_argument("--stop", action="append", default=[], metavar="S",
                      help="stop string (repeat for several); not included in the output")
     gen.add_argument("--timeout-s", type=_deadline, default=None,

@@ -33,7 +33,8 @@ class ModelTokenizer:
 
     Encoding adds the special tokens the tokenizer's own post-processor adds (a Llama
     checkpoint's BOS, as Hugging Face's tokenizers, vLLM and SGLang do by default for a text
-    prompt; the built-in tokenizer adds none); decoding skips them (EOS is not text).
+    prompt; the built-in tokenizer adds none), unless told not to (a prompt that already
+    holds them); decoding skips them (EOS is not text).
     Safe to share between threads.
     """
 
@@ -46,8 +47,8 @@ class ModelTokenizer:
         """Ids the tokenizer can produce, added tokens included."""
         return self.tokenizer.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

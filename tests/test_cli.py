@@ -185,6 +185,17 @@ def test_sampling_flags_reach_the_request(command: list[str],
         assert f"argument {flag}: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["up"]])
+def test_no_special_tokens_reaches_the_request(command: list[str]) -> None:
+    """Unset by default (the gateway then adds the tokenizer's special tokens); false with
+    --no-special-tokens."""
+    default = CompletionRequest.from_args(build_parser().parse_args(command), "x").to_pb()
+    assert not default.HasField("add_special_tokens")
+    bare = CompletionRequest.from_args(
+        build_parser().parse_args([*command, "--no-special-tokens"]), "x").to_pb()
+    assert bare.HasField("add_special_tokens") and not bare.add_special_tokens
+
+
 def test_format_final() -> None:
     final = gateway_pb2.GenerateResponse(
         finish_reason=common_pb2.FINISH_REASON_STOP,

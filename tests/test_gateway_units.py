@@ -57,23 +57,31 @@ def small_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> ModelTokenizer:
 
 # --- tokenizer and incremental detokenization ---------------------------------------------
 
-def test_a_text_prompt_gets_the_bos_its_tokenizer_adds(tmp_path: Path,
-                                                      tokenizer: ModelTokenizer) -> None:
-    """A Llama checkpoint's tokenizer.json adds its BOS through a post-processor, and
-    the model expects it in front of a text prompt (Hugging Face, vLLM and SGLang add it
-    by default); the built-in tokenizer has none, so its prompts are unchanged."""
-    from tokenizers import Tokenizer
+@pytest.fixture(scope="module")
+def llama_like(tmp_path_factory: pytest.TempPathFactory) -> ModelTokenizer:
+    """A tokenizer.json that adds a BOS, ``<s>``, through a post-processor, as a Llama
+    checkpoint's does."""
     from tokenizers.processors import TemplateProcessing
 
-    folder = _train_byte_level(tmp_path / "llama_like")
+    folder = _train_byte_level(tmp_path_factory.mktemp("llama_like"))
     raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
     raw.add_special_tokens(["<s>"])
     bos = raw.token_to_id("<s>")
     raw.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
     raw.save(str(folder / "tokenizer.json"))
-    llama_like = load_tokenizer(folder)
+    return load_tokenizer(folder)
+
+
+def test_a_text_prompt_gets_the_bos_its_tokenizer_adds(llama_like: ModelTokenizer,
+                                                      tokenizer: ModelTokenizer) -> None:
+    """A Llama checkpoint's tokenizer.json adds its BOS through a post-processor, and
+    the model expects it in front of a text prompt (Hugging Face, vLLM and SGLang add it
+    by default); the built-in tokenizer has none, so its prompts are unchanged."""
+    bos = llama_like.tokenizer.token_to_id("<s>")
     ids = llama_like.encode("hello world")
-    assert ids[0] == bos and ids[1:] == raw.encode("hello world", add_special_tokens=False).ids
+    bare = llama_like.tokenizer.encode("hello world", add_special_tokens=False).ids
+    assert ids[0] == bos and ids[1:] == bare
+    assert llama_like.encode("hello world", add_special_tokens=False) == bare
     assert llama_like.decode(ids) == "hello world"
     assert tokenizer.encode("def f(x):") == tokenizer.tokenizer.encode(
         "def f(x):", add_special_tokens=False).ids
@@ -267,10 +275,22 @@ def test_valid_request(small_tokenizer: ModelTokenizer) -> None:
     assert got.speculation == common_pb2.SPECULATION_MODE_OFF
 
 
-def test_text_is_tokenized_without_special_tokens(small_tokenizer: ModelTokenizer) -> None:
-    limits = Limits(vocab_size=small_tokenizer.vocab_size, max_context=32, default_max_new_tokens=4)
-    got = validate(gateway_pb2.GenerateRequest(text="hello"), limits, small_tokenizer)
-    assert list(got.prompt_ids) == small_tokenizer.encode("hello")
+def test_text_gets_its_special_tokens_unless_the_request_says_not(
+        llama_like: ModelTokenizer) -> None:
+    """A text prompt that already holds its BOS asks for none to be added (it would have
+    two); token_ids are used as given, so the field is refused there, not ignored."""
+    limits = Limits(vocab_size=llama_like.vocab_size, max_context=32, default_max_new_tokens=4)
+    bos = llama_like.tokenizer.token_to_id("<s>")
+    bare = llama_like.tokenizer.encode("hello", add_special_tokens=False).ids
+    for request, expected in (
+            (gateway_pb2.GenerateRequest(text="hello"), [bos, *bare]),
+            (gateway_pb2.GenerateRequest(text="hello", add_special_tokens=True), [bos, *bare]),
+            (gateway_pb2.GenerateRequest(text="<s>hello", add_special_tokens=False), [bos, *bare]),
+            (gateway_pb2.GenerateRequest(text="hello", add_special_tokens=False), bare)):
+        assert list(validate(request, limits, llama_like).prompt_ids) == expected
+    message = _invalid(_request(token_ids=gateway_pb2.TokenIds(ids=[1, 2]),
+                                add_special_tokens=False), llama_like, limits)
+    assert "add_special_tokens applies to a text prompt" in message
 
 
 def test_default_max_new_tokens_fits_context(small_tokenizer: ModelTokenizer) -> None:

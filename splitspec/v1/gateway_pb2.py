@@ -26,7 +26,7 @@ from splitspec.v1 import common_pb2 as splitspec_dot_v1_dot_common__pb2
 from splitspec.v1 import target_pb2 as splitspec_dot_v1_dot_target__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/gateway.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\x1a\x19splitspec/v1/target.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"z\n\x0eStoppingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\x86\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12.\n\x08stopping\x18\x04 \x01(\x0b\x32\x1c.splitspec.v1.StoppingParams\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0e\x32\x1d.splitspec.v1.SpeculationMode\x12\x19\n\x11include_token_ids\x18\x06 \x01(\x08\x42\x07\n\x05input\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"J\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"\xd9\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12&\n\x07timings\x18\x05 \x01(\x0b\x32\x15.splitspec.v1.Timings\x12%\n\x04spec\x18\x06 \x01(\x0b\x32\x17.splitspec.v1.SpecStats\"\x12\n\x10GetStatusRequest\"\xd5\x02\n\x0eStatusResponse\x12)\n\x07gateway\x18\x01 \x01(\x0b\x32\x18.splitspec.v1.InitReport\x12(\n\x06target\x18\x02 \x01(\x0b\x32\x18.splitspec.v1.InitReport\x12\'\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x18.splitspec.v1.InitReport\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0e\n\x06queued\x18\x05 \x01(\r\x12\x13\n\x0bspeculating\x18\x06 \x01(\x08\x12%\n\x04spec\x18\x07 \x01(\x0b\x32\x17.splitspec.v1.SpecStats\x12(\n\x06policy\x18\x08 \x01(\x0b\x32\x18.splitspec.v1.SpecPolicy\x12*\n\tlast_step\x18\t \x01(\x0b\x32\x17.splitspec.v1.StepStats\x12\x12\n\nmodel_name\x18\n \x01(\t2\xf2\x01\n\x07Gateway\x12I\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x12I\n\tGetStatus\x12\x1e.splitspec.v1.GetStatusRequest\x1a\x1c.splitspec.v1.StatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitspec/v1/gateway.proto\x12\x0csplitspec.v1\x1a\x19splitspec/v1/common.proto\x1a\x19splitspec/v1/target.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"z\n\x0eStoppingParams\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x03 \x03(\r\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\xbe\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x16.splitspec.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.splitspec.v1.SamplingParams\x12.\n\x08stopping\x18\x04 \x01(\x0b\x32\x1c.splitspec.v1.StoppingParams\x12\x32\n\x0bspeculation\x18\x05 \x01(\x0e\x32\x1d.splitspec.v1.SpeculationMode\x12\x19\n\x11include_token_ids\x18\x06 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x07 \x01(\x08H\x01\x88\x01\x01\x42\x07\n\x05inputB\x15\n\x13_add_special_tokens\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"J\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\x0f\n\x07total_s\x18\x03 \x01(\x01\"\xd9\x01\n\x10GenerateResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.splitspec.v1.FinishReason\x12\"\n\x05usage\x18\x04 \x01(\x0b\x32\x13.splitspec.v1.Usage\x12&\n\x07timings\x18\x05 \x01(\x0b\x32\x15.splitspec.v1.Timings\x12%\n\x04spec\x18\x06 \x01(\x0b\x32\x17.splitspec.v1.SpecStats\"\x12\n\x10GetStatusRequest\"\xd5\x02\n\x0eStatusResponse\x12)\n\x07gateway\x18\x01 \x01(\x0b\x32\x18.splitspec.v1.InitReport\x12(\n\x06target\x18\x02 \x01(\x0b\x32\x18.splitspec.v1.InitReport\x12\'\n\x05\x64raft\x18\x03 \x01(\x0b\x32\x18.splitspec.v1.InitReport\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0e\n\x06queued\x18\x05 \x01(\r\x12\x13\n\x0bspeculating\x18\x06 \x01(\x08\x12%\n\x04spec\x18\x07 \x01(\x0b\x32\x17.splitspec.v1.SpecStats\x12(\n\x06policy\x18\x08 \x01(\x0b\x32\x18.splitspec.v1.SpecPolicy\x12*\n\tlast_step\x18\t \x01(\x0b\x32\x17.splitspec.v1.StepStats\x12\x12\n\nmodel_name\x18\n \x01(\t2\xf2\x01\n\x07Gateway\x12I\n\x08Generate\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse\x12Q\n\x0eGenerateStream\x12\x1d.splitspec.v1.GenerateRequest\x1a\x1e.splitspec.v1.GenerateResponse0\x01\x12I\n\tGetStatus\x12\x1e.splitspec.v1.GetStatusRequest\x1a\x1c.splitspec.v1.StatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,17 +38,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGPARAMS']._serialized_start=123
   _globals['_STOPPINGPARAMS']._serialized_end=245
   _globals['_GENERATEREQUEST']._serialized_start=248
-  _globals['_GENERATEREQUEST']._serialized_end=510
-  _globals['_USAGE']._serialized_start=512
-  _globals['_USAGE']._serialized_end=569
-  _globals['_TIMINGS']._serialized_start=571
-  _globals['_TIMINGS']._serialized_end=645
-  _globals['_GENERATERESPONSE']._serialized_start=648
-  _globals['_GENERATERESPONSE']._serialized_end=865
-  _globals['_GETSTATUSREQUEST']._serialized_start=867
-  _globals['_GETSTATUSREQUEST']._serialized_end=885
-  _globals['_STATUSRESPONSE']._serialized_start=888
-  _globals['_STATUSRESPONSE']._serialized_end=1229
-  _globals['_GATEWAY']._serialized_start=1232
-  _globals['_GATEWAY']._serialized_end=1474
+  _globals['_GENERATEREQUEST']._serialized_end=566
+  _globals['_USAGE']._serialized_start=568
+  _globals['_USAGE']._serialized_end=625
+  _globals['_TIMINGS']._serialized_start=627
+  _globals['_TIMINGS']._serialized_end=701
+  _globals['_GENERATERESPONSE']._serialized_start=704
+  _globals['_GENERATERESPONSE']._serialized_end=921
+  _globals['_GETSTATUSREQUEST']._serialized_start=923
+  _globals['_GETSTATUSREQUEST']._serialized_end=941
+  _globals['_STATUSRESPONSE']._serialized_start=944
+  _globals['_STATUSRESPONSE']._serialized_end=1285
+  _globals['_GATEWAY']._serialized_start=1288
+  _globals['_GATEWAY']._serialized_end=1530
 # @@protoc_insertion_point(module_scope)
