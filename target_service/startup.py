@@ -137,7 +137,9 @@ def load_config(cfg: TargetConfig, where: Placement = ONE_RANK) -> Detailed:
         raise ValueError(f"--profile-out {cfg.profile_out}: {cfg.profile_out.parent} is not a "
                          "directory (the profile is written there when the target stops)")
     spec = ModelSpec(model_cfg, tokenizer_sha256(cfg.model))
-    return Detailed(spec, f"{cfg.model.name}: {model_cfg.num_layers} layers, vocab {model_cfg.vocab_size}")
+    eos = ", ".join(map(str, model_cfg.eos_token_ids)) or "none"
+    return Detailed(spec, f"{cfg.model.name}: {model_cfg.num_layers} layers, vocab "
+                          f"{model_cfg.vocab_size}, EOS ids {eos}")
 
 
 def init_distributed(cfg: TargetConfig, where: Placement) -> Detailed:

@@ -191,6 +191,24 @@ def test_a_profile_out_in_a_missing_directory_fails_load_config(tmp_path):
     assert load_config(TargetConfig(profile_out=tmp_path / "engine.prof")).value is not None
 
 
+def test_the_target_stops_on_the_eos_ids_of_generation_config(tmp_path):
+    """An Instruct checkpoint may name its end-of-turn token only in generation_config.json
+    (Llama-3-8B-Instruct's <|eot_id|>): the target's EOS ids, which the engine stops on and
+    TargetInfo reports, include it, and load_config's report names them."""
+    import shutil
+
+    from splitspec.builtin import BUILTIN_TARGET
+    from target_service.config import TargetConfig
+    from target_service.startup import load_config
+
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(BUILTIN_TARGET / name, tmp_path / name)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 7]}))
+    got = load_config(TargetConfig(model=tmp_path))
+    assert got.value.config.eos_token_ids == (0, 7)
+    assert got.detail.endswith("EOS ids 0, 7")
+
+
 def test_a_max_context_too_short_for_the_warmup_fails_load_config():
     """Found out in the first step, not by the warmup's first generation."""
     from target_service.config import TargetConfig

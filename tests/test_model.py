@@ -378,3 +378,26 @@ def test_quantizing_needs_the_fused_projections():
                                "vocab_size": 8})
     with pytest.raises(ValueError, match="fuse_weights first"):
         quantize_projections(LlamaMLP(cfg))
+
+
+def test_eos_ids_come_from_config_and_generation_config(tmp_path):
+    """Llama-3-8B-Instruct's config.json names <|end_of_text|> alone and its
+    generation_config.json adds <|eot_id|>, which ends every reply: Hugging Face's generate,
+    vLLM and SGLang stop on both, so the target must too."""
+    import json
+
+    shape = {"vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+             "num_hidden_layers": 2, "num_attention_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps({**shape, "eos_token_id": 5}))
+    assert LlamaConfig.read(tmp_path).eos_token_ids == (5,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 5, 9]}))
+    assert LlamaConfig.read(tmp_path).eos_token_ids == (5, 9)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": True}))
+    assert LlamaConfig.read(tmp_path).eos_token_ids == (5,)
+    for bad in ('{"eos_token_id": "9"}', '{"eos_token_id": [9, -1]}', "[9]"):
+        (tmp_path / "generation_config.json").write_text(bad)
+        with pytest.raises(ValueError, match="generation_config.json"):
+            LlamaConfig.read(tmp_path)
+    with pytest.raises(ValueError, match="config.json: eos_token_id must be a token id or a "
+                                         r"list of them, not \[1, True\]"):
+        LlamaConfig.from_hf({**shape, "eos_token_id": [1, True]}, "config.json")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,8 +84,7 @@ class LlamaConfig:
                              f"num_attention_heads {heads}, and no head_dim is given")
         else:
             head_dim = hidden // heads
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        eos_ids = _token_ids(cfg, "eos_token_id", source)
         return cls(
             vocab_size=count["vocab_size"],
             hidden_size=hidden,
@@ -102,9 +102,21 @@ class LlamaConfig:
 
     @classmethod
     def read(cls, model_dir: Path) -> LlamaConfig:
-        """The config of the checkpoint folder ``model_dir``."""
-        return cls.from_hf(read_hf_config(model_dir), str(Path(model_dir) / "config.json"))
+        """The config of the checkpoint folder ``model_dir``. Its EOS ids are those of
+        config.json and of generation_config.json, where there is one: an Instruct
+        checkpoint may name its end-of-turn token (Llama-3's ``<|eot_id|>``) only there,
+        and Hugging Face's ``generate``, vLLM and SGLang stop on both."""
+        config = cls.from_hf(read_hf_config(model_dir), str(Path(model_dir) / "config.json"))
+        path = Path(model_dir) / GENERATION_CONFIG
+        if not path.is_file():
+            return config
+        more = _token_ids(read_json_object(path), "eos_token_id", str(path))
+        eos_ids = config.eos_token_ids + tuple(
+            dict.fromkeys(i for i in more if i not in config.eos_token_ids))
+        return dataclasses.replace(config, eos_token_ids=eos_ids)
 
+
+GENERATION_CONFIG = "generation_config.json"
 
 # what a Llama config.json must give (the rest have defaults)
 LLAMA_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -120,6 +132,15 @@ def _count(cfg: dict[str, Any], key: str, source: str) -> int:
     return int(value)
 
 
+def _token_ids(cfg: dict[str, Any], key: str, source: str) -> tuple[int, ...]:
+    """``cfg[key]``, a token id or a list of them (or absent: none), as a tuple of ids."""
+    value = cfg.get(key)
+    ids = value if isinstance(value, list) else ([] if value is None else [value])
+    if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(f"{source}: {key} must be a token id or a list of them, not {value!r}")
+    return tuple(ids)
+
+
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
     path = Path(model_dir) / "config.json"
     if not Path(model_dir).is_dir():
@@ -127,6 +148,11 @@ def read_hf_config(model_dir: Path) -> dict[str, Any]:
                                 f"config.json")
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: a checkpoint folder needs config.json")
+    return read_json_object(path)
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a ValueError naming the file if it holds anything else."""
     try:
         cfg = json.loads(path.read_text())
     except json.JSONDecodeError as e:  # (re-raised with the file's name)
