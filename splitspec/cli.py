@@ -151,7 +151,8 @@ def stream_completion(address: str, request: CompletionRequest, timeout_s: float
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    request = CompletionRequest.from_args(args, args.text, args.stop)
+    text = sys.stdin.read() if args.text == "-" else args.text
+    request = CompletionRequest.from_args(args, text, args.stop)
     return stream_completion(args.address, request, timeout_s=args.timeout_s)
 
 
@@ -655,7 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Stream the completion to stdout as it arrives; the "
                                           "finish reason, usage, timings and speculation "
                                           "statistics follow on stderr.")
-    gen.add_argument("text", help="the prompt")
+    gen.add_argument("text", help="the prompt; - reads it from stdin (a chat-templated or "
+                                  "long prompt, with its newlines as they are)")
     gen.add_argument("--address", default="localhost:50051", help="gateway address")
     gen.add_argument("--max-new-tokens", type=_whole_number(1, 2**32 - 1), default=None,
                      help="length limit (default: the gateway's --default-max-new-tokens)")

@@ -267,6 +267,23 @@ def test_cli_generate_sends_the_sampling_flags(gateway: RunningGateway,
     assert sampling.top_p == pytest.approx(0.9)
 
 
+def test_cli_generate_reads_the_prompt_from_stdin(gateway: RunningGateway,
+                                                 fake: tuple[FakeTarget, int],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`generate -` takes a prompt with its newlines (a chat template's output) from stdin;
+    --no-special-tokens reaches the gateway, which on the built-in tokenizer adds none anyway."""
+    import io
+
+    from splitspec.cli import main
+
+    target, _ = fake
+    prompt = "def f():\n    return 1\n\n"
+    monkeypatch.setattr(sys, "stdin", io.StringIO(prompt))
+    assert main(["generate", "-", "--address", f"127.0.0.1:{gateway.port}",
+                 "--max-new-tokens", "4", "--no-special-tokens"]) == 0
+    assert list(target.admits[-1].prompt_ids) == load_tokenizer(BUILTIN_TARGET).encode(prompt)
+
+
 def test_cli_generate_deadline_cancels_and_keeps_the_text(
         gateway: RunningGateway, fake: tuple[FakeTarget, int],
         capsys: pytest.CaptureFixture[str]) -> None:
