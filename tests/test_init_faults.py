@@ -191,7 +191,7 @@ def test_a_profile_out_in_a_missing_directory_fails_load_config(tmp_path):
     assert load_config(TargetConfig(profile_out=tmp_path / "engine.prof")).value is not None
 
 
-def test_the_target_stops_on_the_eos_ids_of_generation_config(tmp_path):
+def test_the_targets_eos_ids_include_those_of_generation_config(tmp_path):
     """An Instruct checkpoint may name its end-of-turn token only in generation_config.json
     (Llama-3-8B-Instruct's <|eot_id|>): the target's EOS ids, which the engine stops on and
     TargetInfo reports, include it, and load_config's report names them."""
