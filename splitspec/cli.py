@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import TextIO
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -436,17 +436,6 @@ class TrainDraftError(Exception):
     """An input of ``train-draft`` that cannot work; the message says what to change."""
 
 
-def eos_id_of(config: dict[str, Any], target: Path) -> int:
-    """The target's end-of-sequence id (the first one when config.json lists several)."""
-    eos = config.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is None:
-        raise TrainDraftError(f"{target}/config.json has no eos_token_id; add the id that ends a "
-                              f"document (it separates corpus files in the training blocks)")
-    return int(eos)
-
-
 def train_draft(args: argparse.Namespace) -> int:
     """Tokenize the corpus with the target's tokenizer, pack it, train and write the head."""
     import torch
@@ -474,10 +463,13 @@ def train_draft(args: argparse.Namespace) -> int:
 
     try:
         config = read_hf_config(target)
-        LlamaConfig.from_hf(config, str(target / "config.json"))
+        eos_ids = LlamaConfig.from_hf(config, str(target / "config.json")).eos_token_ids
     except ValueError as exc:  # before the corpus is read: the command's failure
         raise TrainDraftError(f"--target {target}: {exc}") from exc
-    eos_id = eos_id_of(config, target)
+    if not eos_ids:
+        raise TrainDraftError(f"{target}/config.json has no eos_token_id; add the id that ends a "
+                              f"document (it separates corpus files in the training blocks)")
+    eos_id = eos_ids[0]  # (the first one when config.json lists several)
     try:
         corpus = data.collect_corpus([data.folder_source(corpus_dir)], args.max_corpus_bytes)
     except ValueError as exc:  # nothing readable: the command's failure, said plainly

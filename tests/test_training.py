@@ -275,6 +275,14 @@ def test_train_draft_refuses_bad_inputs_clearly(tmp_path, tiny_target, corpus_di
     assert cli.main([*base, "--target", str(shapeless), "--corpus", str(corpus_dir)]) == 2
     assert f"--target {shapeless}: {shapeless}/config.json lacks vocab_size, hidden_size" in \
         capsys.readouterr().err
+    eosless = tmp_path / "eosless"  # nothing to separate the corpus files with
+    eosless.mkdir()
+    config = json.loads((tiny_target / "config.json").read_text())
+    del config["eos_token_id"]
+    (eosless / "config.json").write_text(json.dumps(config))
+    (eosless / "tokenizer.json").write_text((tiny_target / "tokenizer.json").read_text())
+    assert cli.main([*base, "--target", str(eosless), "--corpus", str(corpus_dir)]) == 2
+    assert f"{eosless}/config.json has no eos_token_id" in capsys.readouterr().err
     assert not (tmp_path / "head").exists()
 
 
