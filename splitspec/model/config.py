@@ -111,8 +111,7 @@ class LlamaConfig:
         if not path.is_file():
             return config
         more = _token_ids(read_json_object(path), "eos_token_id", str(path))
-        eos_ids = config.eos_token_ids + tuple(
-            dict.fromkeys(i for i in more if i not in config.eos_token_ids))
+        eos_ids = tuple(dict.fromkeys(config.eos_token_ids + more))  # (config.json's first)
         return dataclasses.replace(config, eos_token_ids=eos_ids)
 
 
